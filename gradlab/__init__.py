@@ -1,0 +1,23 @@
+"""gradlab: clip or ignore exploding gradients, in PyTorch.
+
+The algorithms live in :mod:`gradlab.clip`; the book's figures, demos and exercise
+checks are built on them.
+"""
+
+from gradlab.clip import (
+    clip_grad_norm_,
+    clip_grad_value_,
+    get_total_norm,
+    grad_ignore_norm_,
+    grad_ignore_value_,
+)
+
+__all__ = [
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "get_total_norm",
+    "grad_ignore_norm_",
+    "grad_ignore_value_",
+]
+
+__version__ = "0.1.0"
