@@ -277,7 +277,8 @@ def clip_grad_value_(
 ) -> None:
     r"""Clamp every gradient entry into ``[-clip_value, clip_value]``.
 
-    .. math:: g_{ij} \leftarrow \min\bigl(\max(g_{ij}, -\text{clip\_value}), \text{clip\_value}\bigr)
+    .. math::
+        g_{ij} \leftarrow \min\bigl(\max(g_{ij}, -\text{clip\_value}), \text{clip\_value}\bigr)
 
     Each entry is clamped on its own, so the direction of the gradient generally
     changes. Same gradients as :func:`torch.nn.utils.clip_grad_value_` (a NaN entry
