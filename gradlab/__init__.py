@@ -11,8 +11,11 @@ from gradlab.clip import (
     grad_ignore_norm_,
     grad_ignore_value_,
 )
+from gradlab.skip import StepGuard, StepRecord
 
 __all__ = [
+    "StepGuard",
+    "StepRecord",
     "clip_grad_norm_",
     "clip_grad_value_",
     "get_total_norm",
