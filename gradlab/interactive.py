@@ -30,7 +30,7 @@ __all__ = ["Control", "Explorable", "explore"]
 
 FigureFunction = Callable[..., Figure]
 
-# Keeps a page under a few MB even with two explorable figures on it.
+# Keeps a page well under its 5 MB budget even with two explorable figures on it.
 MAX_FRAMES = 60
 
 
@@ -85,7 +85,7 @@ class Explorable:
     controls: tuple[Control, ...]
     fixed: dict[str, Any] = field(default_factory=dict)
     alt: str = ""
-    dpi: int = 80
+    dpi: int = 96
     _frames: dict[tuple[int, ...], bytes] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -212,7 +212,7 @@ def explore(
     figure_fn: FigureFunction,
     *controls: Control,
     alt: str = "",
-    dpi: int = 80,
+    dpi: int = 96,
     **fixed: Any,
 ) -> Explorable:
     """Make ``figure_fn`` explorable over the grids of ``controls``.
