@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run every test: lint, the gradlab unit tests, nbval on every notebook (strict), and the
-# browser tests of the built site. Run scripts/build_book.sh once first.
+# browser tests of the built site (tests/browser: Debian's Chromium, /usr/bin/chromium,
+# and npm for the local MathJax copy, installed on first use). Run scripts/build_book.sh
+# once first. Screenshots of every page go to test-artifacts/screenshots/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
