@@ -1,0 +1,769 @@
+"""The exercise checks accept correct answers and reject the typical wrong ones.
+
+Each check is run on a correct solution written here (independently of gradlab), on
+gradlab's and torch's own functions where they fit the contract, and on the
+mistakes students actually make. The verdicts must be deterministic plain text.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import gradlab
+from gradlab import exercises as ex
+
+# ------------------------------------------------------------ correct answers
+
+
+def ref_total_norm(tensors, norm_type=2.0):
+    tensors = list(tensors)
+    if not tensors:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(t.double(), norm_type) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _grads(parameters):
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def ref_clip_grad_norm_(parameters, max_norm, norm_type=2.0):
+    grads = _grads(parameters)
+    total = ref_total_norm(grads, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def ref_clip_grad_value_(parameters, clip_value):
+    for g in _grads(parameters):
+        g.clamp_(-clip_value, clip_value)
+
+
+def ref_grad_ignore_norm_(parameters, max_norm, norm_type=2.0):
+    grads = _grads(parameters)
+    total = ref_total_norm(grads, norm_type)
+    keep = max_norm / (total + 1e-6) >= 1.0
+    for g in grads:
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return total
+
+
+def ref_grad_ignore_value_(parameters, clip_value):
+    grads = _grads(parameters)
+    largest = ref_total_norm(grads, math.inf)
+    keep = largest < clip_value
+    for g in grads:
+        g.masked_fill_(~keep, 0.0)
+    return largest
+
+
+def ref_guarded_step(parameters, optimizer, max_norm):
+    total = ref_total_norm(_grads(list(parameters)), 2.0)
+    if bool(torch.isfinite(total)) and bool(max_norm / (total + 1e-6) >= 1.0):
+        optimizer.step()
+        return True
+    return False
+
+
+def run(check, fn, capsys):
+    """Run a check; return (verdict, printed text)."""
+    verdict = check(fn)
+    return verdict, capsys.readouterr().out
+
+
+def assert_passes(check, fn, capsys):
+    verdict, out = run(check, fn, capsys)
+    assert verdict is True, out
+    assert re.fullmatch(r"All \d+ cases pass\.\n", out), out
+
+
+def assert_fails(check, fn, capsys, *fragments):
+    verdict, out = run(check, fn, capsys)
+    assert verdict is False, out
+    for fragment in fragments:
+        assert fragment in out, (fragment, out)
+    return out
+
+
+# ------------------------------------------------------------ accepted answers
+
+
+@pytest.mark.parametrize(
+    "check, fn",
+    [
+        (ex.check_total_norm, ref_total_norm),
+        (ex.check_total_norm, gradlab.get_total_norm),
+        (ex.check_total_norm, torch.nn.utils.get_total_norm),
+        (ex.check_clip_grad_norm, ref_clip_grad_norm_),
+        (ex.check_clip_grad_norm, gradlab.clip_grad_norm_),
+        (ex.check_clip_grad_norm, torch.nn.utils.clip_grad_norm_),
+        (ex.check_clip_grad_value, ref_clip_grad_value_),
+        (ex.check_clip_grad_value, gradlab.clip_grad_value_),
+        (ex.check_grad_ignore_norm, ref_grad_ignore_norm_),
+        (ex.check_grad_ignore_norm, gradlab.grad_ignore_norm_),
+        (ex.check_grad_ignore_value, ref_grad_ignore_value_),
+        (ex.check_grad_ignore_value, gradlab.grad_ignore_value_),
+        (ex.check_guarded_step, ref_guarded_step),
+    ],
+    ids=lambda x: getattr(x, "__qualname__", str(x)),
+)
+def test_accepts_correct_answers(check, fn, capsys):
+    assert_passes(check, fn, capsys)
+
+
+def test_torch_clip_grad_value_fails_only_on_no_gradients(capsys):
+    # torch.nn.utils.clip_grad_value_ (foreach path) raises when there is no gradient
+    # at all; the check reports that as the case it is, not as a crash of the check.
+    verdict, out = run(ex.check_clip_grad_value, torch.nn.utils.clip_grad_value_, capsys)
+    if not verdict:
+        assert "neither has a gradient" in out
+        assert "Your function raised RuntimeError" in out
+
+
+def test_output_is_deterministic_and_clean(capsys):
+    outs = []
+    for _ in range(2):
+        ex.check_grad_ignore_norm(_nan_hole_mask)
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+    assert not re.search(r"0x[0-9a-f]{6,}", outs[0])
+    assert "grad_fn" not in outs[0]
+    # The reference is never shown as source code.
+    assert "def " not in outs[0] and "return" not in outs[0]
+
+
+def test_host_read_detector_restores_tensor_methods():
+    tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+    ex.check_grad_ignore_norm(_ignore_norm_item)
+    assert torch.Tensor.tolist is tolist and torch.Tensor.numpy is numpy
+    assert torch.tensor([1.0]).tolist() == [1.0]
+
+
+# ------------------------------------------------------------ not implemented
+
+
+def _stub(*args, **kwargs):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        ex.check_total_norm,
+        ex.check_clip_grad_norm,
+        ex.check_clip_grad_value,
+        ex.check_grad_ignore_norm,
+        ex.check_grad_ignore_value,
+        ex.check_guarded_step,
+    ],
+)
+def test_not_implemented_is_reported(check, capsys):
+    out = assert_fails(check, _stub, capsys, "Not implemented yet")
+    assert "Case" not in out
+
+
+def test_not_a_function(capsys):
+    assert_fails(ex.check_clip_grad_norm, 3.0, capsys, "Expected a function")
+
+
+def test_exception_is_reported_with_the_call(capsys):
+    def boom(parameters, max_norm, norm_type=2.0):
+        raise ValueError("bad things")
+
+    assert_fails(
+        ex.check_grad_ignore_norm,
+        boom,
+        capsys,
+        "Case 1 of",
+        "Your function raised ValueError: bad things",
+        "fn(parameters, max_norm=10, norm_type=2)",
+    )
+
+
+def test_wrong_signature_is_reported(capsys):
+    def no_norm_type(parameters, max_norm):
+        return ref_grad_ignore_norm_(parameters, max_norm)
+
+    assert_fails(ex.check_grad_ignore_norm, no_norm_type, capsys, "raised TypeError")
+
+
+# ------------------------------------------------------------ ignore by norm
+
+
+def _nan_hole_mask(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    keep = (total <= max_norm).to(torch.float32)
+    for g in grads:
+        g.mul_(keep.to(g.dtype))  # NaN * 0 is NaN
+    return total
+
+
+def _nan_hole_if(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.zero_()
+    return total
+
+
+def _nan_hole_where_gt(parameters, max_norm, norm_type=2.0):
+    # Device-side, but "ignore if total > max_norm" is False for NaN: NaN stays.
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    for g in grads:
+        g.copy_(torch.where(total > max_norm, torch.zeros_like(g), g))
+    return total
+
+
+def _ignore_norm_some_tensors(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    keep = max_norm / (total + 1e-6) >= 1.0
+    grads[0].copy_(torch.where(keep, grads[0], torch.zeros_like(grads[0])))
+    return total
+
+
+def _ignore_norm_per_tensor(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    for g in grads:
+        keep = max_norm / (torch.linalg.vector_norm(g, norm_type) + 1e-6) >= 1.0
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return total
+
+
+def _ignore_norm_none_crash(parameters, max_norm, norm_type=2.0):
+    params = list(parameters)
+    grads = [p.grad for p in params]
+    total = ref_total_norm(grads, norm_type)  # crashes on None
+    keep = max_norm / (total + 1e-6) >= 1.0
+    for g in grads:
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return total
+
+
+def _ignore_norm_none_to_zero(parameters, max_norm, norm_type=2.0):
+    params = list(parameters)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return ref_grad_ignore_norm_(params, max_norm, norm_type)
+
+
+def _ignore_norm_item(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    keep = math.isfinite(total.item()) and max_norm / (total.item() + 1e-6) >= 1
+    if not keep:
+        for g in grads:
+            g.zero_()
+    return total
+
+
+def _ignore_norm_tolist(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    value = total.reshape(1).tolist()[0]
+    keep = value == value and max_norm / (value + 1e-6) >= 1
+    if not keep:
+        for g in grads:
+            g.zero_()
+    return total
+
+
+def _ignore_norm_empty_crash(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    flat = torch.cat([g.reshape(-1).double() for g in grads])  # fails on []
+    total = torch.linalg.vector_norm(flat, norm_type)
+    keep = max_norm / (total + 1e-6) >= 1.0
+    for g in grads:
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return total
+
+
+def _ignore_norm_generator_twice(parameters, max_norm, norm_type=2.0):
+    total = ref_total_norm(_grads(parameters), norm_type)
+    keep = max_norm / (total + 1e-6) >= 1.0
+    for g in _grads(parameters):  # a generator is empty by now
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return total
+
+
+def _ignore_norm_returns_after(parameters, max_norm, norm_type=2.0):
+    params = list(parameters)
+    ref_grad_ignore_norm_(params, max_norm, norm_type)
+    return ref_total_norm(_grads(params), norm_type)
+
+
+def _ignore_norm_returns_nothing(parameters, max_norm, norm_type=2.0):
+    ref_grad_ignore_norm_(parameters, max_norm, norm_type)
+
+
+def _ignore_norm_always_2(parameters, max_norm, norm_type=2.0):
+    return ref_grad_ignore_norm_(parameters, max_norm, 2.0)
+
+
+def _ignore_norm_clips(parameters, max_norm, norm_type=2.0):
+    return ref_clip_grad_norm_(parameters, max_norm, norm_type)
+
+
+def _ignore_norm_touches_params(parameters, max_norm, norm_type=2.0):
+    params = list(parameters)
+    total = ref_grad_ignore_norm_(params, max_norm, norm_type)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.sub_(p.grad)
+    return total
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (_nan_hole_mask, ["one entry is NaN", "nan", "NaN * 0 is NaN"]),
+        (_nan_hole_if, ["reads a tensor value on the host"]),
+        (_nan_hole_where_gt, ["one entry is NaN", "your gradients:"]),
+        (_ignore_norm_some_tensors, ["three tensors", "over", "every tensor is affected"]),
+        (_ignore_norm_per_tensor, ["Case", "expected gradients:"]),
+        (_ignore_norm_none_crash, ["no gradient (None)", "Your function raised"]),
+        (_ignore_norm_none_to_zero, ["no gradient (None)", "None"]),
+        (_ignore_norm_item, ["Case 1 of", "reads a tensor value on the host"]),
+        (_ignore_norm_tolist, ["reads a tensor value on the host"]),
+        (_ignore_norm_empty_crash, ["neither has a gradient", "Your function raised ValueError"]),
+        (_ignore_norm_generator_twice, ["generator", "one pass"]),
+        (_ignore_norm_returns_after, ["expected return value", "the total norm before"]),
+        (_ignore_norm_returns_nothing, ["your return value:     None"]),
+        (_ignore_norm_always_2, ["norm_type=1"]),
+        (_ignore_norm_clips, ["over the threshold", "expected gradients: [[0, 0]]"]),
+        (_ignore_norm_touches_params, ["changed the values of parameter 0"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_ignore_norm_rejects(fn, fragments, capsys):
+    assert_fails(ex.check_grad_ignore_norm, fn, capsys, *fragments)
+
+
+def test_failure_report_shows_input_expected_and_got(capsys):
+    out = assert_fails(ex.check_grad_ignore_norm, _ignore_norm_clips, capsys)
+    assert out.splitlines()[:5] == [
+        "Case 2 of 29 fails: one tensor, total 2-norm 5, over the threshold; a list of parameters.",
+        "  call:              fn(parameters, max_norm=2, norm_type=2)",
+        "  gradients before:  [[3, -4]]",
+        "  expected gradients: [[0, 0]]",
+        "  your gradients:     [[1.2, -1.6]]",
+    ]
+
+
+# ------------------------------------------------------------ clip by norm
+
+
+def _clip_norm_returns_after(parameters, max_norm, norm_type=2.0):
+    params = list(parameters)
+    ref_clip_grad_norm_(params, max_norm, norm_type)
+    return ref_total_norm(_grads(params), norm_type)
+
+
+def _clip_norm_if(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    if total > max_norm:
+        for g in grads:
+            g.mul_(max_norm / (total + 1e-6))
+    return total
+
+
+def _clip_norm_no_eps_min(parameters, max_norm, norm_type=2.0):
+    # Python min() compares tensors on the host.
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    coef = min(1.0, max_norm / (total + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def _clip_norm_per_tensor(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    for g in grads:
+        n = torch.linalg.vector_norm(g, norm_type)
+        g.mul_(torch.clamp(max_norm / (n + 1e-6), max=1.0))
+    return total
+
+
+def _clip_norm_where_keeps_nan(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    coef = max_norm / (total + 1e-6)
+    for g in grads:
+        g.copy_(torch.where(coef < 1, g * coef, g))
+    return total
+
+
+def _clip_norm_first_only(parameters, max_norm, norm_type=2.0):
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    grads[0].mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+def _clip_norm_none_crash(parameters, max_norm, norm_type=2.0):
+    grads = [p.grad for p in parameters]
+    total = ref_total_norm(grads, norm_type)
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+def _clip_norm_generator_twice(parameters, max_norm, norm_type=2.0):
+    total = ref_total_norm(_grads(parameters), norm_type)
+    for g in _grads(parameters):
+        g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (_clip_norm_returns_after, ["expected return value", "before clipping"]),
+        (_clip_norm_if, ["reads a tensor value on the host"]),
+        (_clip_norm_no_eps_min, ["reads a tensor value on the host"]),
+        (_clip_norm_per_tensor, ["three tensors", "expected gradients:"]),
+        (_clip_norm_where_keeps_nan, ["NaN", "torch.nn.utils.clip_grad_norm_"]),
+        (_clip_norm_first_only, ["every tensor is affected"]),
+        (ref_grad_ignore_norm_, ["over the threshold", "expected gradients: [[1.2, -1.6]]"]),
+        (_clip_norm_none_crash, ["no gradient (None)", "Your function raised"]),
+        (_clip_norm_generator_twice, ["generator", "one pass"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_clip_norm_rejects(fn, fragments, capsys):
+    assert_fails(ex.check_clip_grad_norm, fn, capsys, *fragments)
+
+
+# ------------------------------------------------------------ by value
+
+
+def _ignore_value_gt(parameters, clip_value):
+    grads = _grads(list(parameters))
+    largest = ref_total_norm(grads, math.inf)
+    ignore = ~(largest <= clip_value)  # '>' instead of '>=', written NaN-safely
+    for g in grads:
+        g.masked_fill_(ignore, 0.0)
+    return largest
+
+
+def _ignore_value_mask_mul(parameters, clip_value):
+    grads = _grads(list(parameters))
+    largest = ref_total_norm(grads, math.inf)
+    keep = (largest < clip_value).to(torch.float32)
+    for g in grads:
+        g.mul_(keep.to(g.dtype))
+    return largest
+
+
+def _ignore_value_per_tensor(parameters, clip_value):
+    grads = _grads(list(parameters))
+    largest = ref_total_norm(grads, math.inf)
+    for g in grads:
+        g.masked_fill_(~(g.abs().amax() < clip_value), 0.0)
+    return largest
+
+
+def _ignore_value_item(parameters, clip_value):
+    grads = _grads(list(parameters))
+    largest = ref_total_norm(grads, math.inf)
+    if not largest.item() < clip_value:
+        for g in grads:
+            g.zero_()
+    return largest
+
+
+def _ignore_value_none_crash(parameters, clip_value):
+    grads = [p.grad for p in parameters]
+    largest = torch.stack([g.abs().amax() for g in grads]).amax()
+    for g in grads:
+        g.masked_fill_(~(largest < clip_value), 0.0)
+    return largest
+
+
+def _ignore_value_empty_crash(parameters, clip_value):
+    grads = _grads(list(parameters))
+    largest = torch.stack([g.abs().amax() for g in grads]).amax()
+    keep = largest < clip_value
+    for g in grads:
+        g.masked_fill_(~keep, 0.0)
+    return largest
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (_ignore_value_gt, ["equals the threshold exactly", "(reaching the threshold counts)"]),
+        (_ignore_value_mask_mul, ["one entry is NaN", "NaN * 0 is NaN"]),
+        (_ignore_value_per_tensor, ["only one entry of the last tensor"]),
+        (_ignore_value_item, ["reads a tensor value on the host"]),
+        (_ignore_value_empty_crash, ["neither has a gradient", "Your function raised"]),
+        (ref_clip_grad_value_, ["expected return value", "your return value:     None"]),
+        (_ignore_value_none_crash, ["no gradient (None)", "Your function raised"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_ignore_value_rejects(fn, fragments, capsys):
+    assert_fails(ex.check_grad_ignore_value, fn, capsys, *fragments)
+
+
+def _clip_value_returns(parameters, clip_value):
+    ref_clip_grad_value_(parameters, clip_value)
+    return torch.tensor(0.0)
+
+
+def _clip_value_none_crash(parameters, clip_value):
+    for p in parameters:
+        p.grad.clamp_(-clip_value, clip_value)
+
+
+def _clip_value_generator_twice(parameters, clip_value):
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.clamp_(max=clip_value)
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.clamp_(min=-clip_value)
+
+
+def _clip_value_positive_only(parameters, clip_value):
+    for g in _grads(parameters):
+        g.clamp_(max=clip_value)
+
+
+def _clip_value_nan_to_zero(parameters, clip_value):
+    for g in _grads(parameters):
+        g.copy_(g.nan_to_num(0.0).clamp(-clip_value, clip_value))
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (_clip_value_returns, ["expected return value: None", "tensor(0)"]),
+        (_clip_value_none_crash, ["no gradient (None)", "raised AttributeError"]),
+        (_clip_value_generator_twice, ["generator", "one pass"]),
+        (_clip_value_positive_only, ["both signs"]),
+        (_clip_value_nan_to_zero, ["one entry is NaN", "torch.clamp leaves a NaN entry NaN"]),
+        (ref_grad_ignore_value_, ["expected return value: None"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_clip_value_rejects(fn, fragments, capsys):
+    assert_fails(ex.check_clip_grad_value, fn, capsys, *fragments)
+
+
+# ------------------------------------------------------------ total norm
+
+
+def _norm_sum_of_norms(tensors, norm_type=2.0):
+    return sum(torch.linalg.vector_norm(t, norm_type) for t in tensors)
+
+
+def _norm_python_float(tensors, norm_type=2.0):
+    return float(ref_total_norm(tensors, norm_type))
+
+
+def _norm_always_2(tensors, norm_type=2.0):
+    return ref_total_norm(tensors, 2.0)
+
+
+def _norm_cat_empty_crash(tensors, norm_type=2.0):
+    return torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in tensors]), norm_type)
+
+
+def _norm_shape_1(tensors, norm_type=2.0):
+    return ref_total_norm(tensors, norm_type).reshape(1)
+
+
+def _norm_generator_twice(tensors, norm_type=2.0):
+    if not list(tensors):
+        return torch.tensor(0.0)
+    return ref_total_norm(tensors, norm_type)
+
+
+def _norm_nan_to_zero(tensors, norm_type=2.0):
+    return ref_total_norm([t.nan_to_num(0.0, posinf=0.0, neginf=0.0) for t in tensors], norm_type)
+
+
+def _norm_modifies_input(tensors, norm_type=2.0):
+    tensors = list(tensors)
+    for t in tensors:
+        t.abs_()
+    return ref_total_norm(tensors, norm_type)
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (_norm_sum_of_norms, ["three tensors, norm_type=2", "expected"]),
+        (_norm_python_float, ["the Python number"]),
+        (_norm_always_2, ["norm_type=1"]),
+        (_norm_cat_empty_crash, ["empty list", "Your function raised ValueError"]),
+        (_norm_shape_1, ["of shape (1,)"]),
+        (_norm_generator_twice, ["generator", "one pass"]),
+        (_norm_nan_to_zero, ["NaN"]),
+        (_norm_modifies_input, ["modified tensor"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_total_norm_rejects(fn, fragments, capsys):
+    assert_fails(ex.check_total_norm, fn, capsys, *fragments)
+
+
+# ------------------------------------------------------------ guarded step
+
+
+def _step_always(parameters, optimizer, max_norm):
+    optimizer.step()
+    return True
+
+
+def _step_never(parameters, optimizer, max_norm):
+    return False
+
+
+def _step_zero_grads_then_step(parameters, optimizer, max_norm):
+    params = list(parameters)
+    taken = ref_grad_ignore_norm_(params, max_norm) <= max_norm
+    optimizer.step()  # Adam and momentum still move on zero gradients
+    return bool(taken)
+
+
+def _step_nan_hole(parameters, optimizer, max_norm):
+    total = ref_total_norm(_grads(list(parameters)), 2.0)
+    if total > max_norm:  # False for NaN: a NaN step is taken
+        return False
+    optimizer.step()
+    return True
+
+
+def _step_clips_instead(parameters, optimizer, max_norm):
+    params = list(parameters)
+    total = ref_clip_grad_norm_(params, max_norm)
+    if not bool(torch.isfinite(total)):
+        return False
+    optimizer.step()
+    return bool(total <= max_norm)
+
+
+def _step_returns_tensor_float(parameters, optimizer, max_norm):
+    ref_guarded_step(parameters, optimizer, max_norm)
+    return torch.tensor(1.0)
+
+
+def _step_generator_twice(parameters, optimizer, max_norm):
+    total = ref_total_norm(_grads(parameters), 2.0)
+    if not (bool(torch.isfinite(total)) and bool(total <= max_norm)):
+        return False
+    if not list(parameters):  # a generator is used up: wrongly skip
+        return False
+    optimizer.step()
+    return True
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (_step_always, ["must be skipped", "expected return value: False"]),
+        (_step_never, ["step 1 of 7", "must be taken"]),
+        (_step_zero_grads_then_step, ["must be skipped"]),
+        (_step_nan_hole, ["a NaN gradient", "must be skipped"]),
+        (_step_clips_instead, ["must be skipped"]),
+        (_step_returns_tensor_float, ["your return value:     tensor(1)"]),
+        (_step_generator_twice, ["model.parameters() (a generator)"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_guarded_step_rejects(fn, fragments, capsys):
+    assert_fails(ex.check_guarded_step, fn, capsys, *fragments)
+
+
+def test_guarded_step_accepts_a_tensor_bool(capsys):
+    def tensor_bool(parameters, optimizer, max_norm):
+        return torch.tensor(ref_guarded_step(parameters, optimizer, max_norm))
+
+    assert_passes(ex.check_guarded_step, tensor_bool, capsys)
+
+
+def test_guarded_step_names_the_state_that_moved(capsys):
+    def zero_then_step(parameters, optimizer, max_norm):
+        params = list(parameters)
+        total = ref_total_norm(_grads(params), 2.0)
+        ok = bool(torch.isfinite(total)) and bool(total <= max_norm)
+        if not ok:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        optimizer.step()
+        return ok
+
+    out = assert_fails(ex.check_guarded_step, zero_then_step, capsys, "must be skipped")
+    assert "parameter" in out
+
+
+# ------------------------------------------------------------ threshold choice
+
+
+CLEAN = [1.0 + 0.01 * i for i in range(100)]  # 1.00 ... 1.99
+OUTLIERS = [5.0, 40.0, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("threshold", [2.0, 3.0, 4.99, 1.99, torch.tensor(2.5)])
+def test_threshold_choice_accepts(threshold, capsys):
+    assert ex.check_threshold_choice(threshold, CLEAN, OUTLIERS) is True
+    out = capsys.readouterr().out
+    assert out.endswith("Passed.\n")
+    assert "ignores 4 of 4 outlier steps" in out
+
+
+def test_threshold_choice_accepts_tensors_and_fraction(capsys):
+    clean = torch.tensor(CLEAN)
+    assert ex.check_threshold_choice(1.505, clean, torch.tensor([9.0]), keep_fraction=0.5)
+    assert "keeps 51 of 100 clean steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "threshold, fragments",
+    [
+        (1.5, ["Too low", "1.99, 1.98"]),
+        (1.97, ["Too low", "1.99, 1.98"]),  # keeps 98%, needs 99
+        (5.5, ["Too high", "norms 5."]),
+        (100.0, ["Too high", "5, 40"]),
+        (math.inf, ["Too high", "5, 40."]),
+        (math.nan, ["non-negative number"]),
+        (-1.0, ["non-negative number"]),
+        ("2", ["must be a number"]),
+        (True, ["must be a number"]),
+    ],
+)
+def test_threshold_choice_rejects(threshold, fragments, capsys):
+    assert ex.check_threshold_choice(threshold, CLEAN, OUTLIERS) is False
+    out = capsys.readouterr().out
+    for fragment in fragments:
+        assert fragment in out, out
+
+
+def test_threshold_choice_says_when_impossible(capsys):
+    assert ex.check_threshold_choice(1.5, CLEAN, [1.2]) is False
+    assert "No threshold can meet both rules" in capsys.readouterr().out
+
+
+def test_every_check_has_a_docstring_saying_what_is_checked():
+    for name in ex.__all__:
+        doc = getattr(ex, name).__doc__
+        assert doc and "Check" in doc, name
