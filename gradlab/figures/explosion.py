@@ -285,7 +285,7 @@ def figure_chain(depth: int = 20, weight_scale: float = 1.5, width: int = 32) ->
         _positive(data.bound),
         ls="--",
         color=NONE,
-        label=r"bound $\|\delta_L\|\prod_{k>l}\|W_k\|_2$",
+        label=r"bound $\|\delta_D\|\prod_{k>l}\|W_k\|_2$",
     )
     ax.plot(
         layers,

@@ -1,0 +1,55 @@
+"""Properties every chapter notebook must keep (nbval checks their outputs separately)."""
+
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import sync_macros  # noqa: E402
+
+NOTEBOOKS = sync_macros.notebooks()
+IGNORE_MARK = "# NBVAL_IGNORE_OUTPUT"
+TIMING_NOTEBOOKS = {"costs"}
+
+
+def test_there_are_chapters():
+    assert len(NOTEBOOKS) >= 9
+
+
+def test_every_notebook_carries_the_current_notation():
+    assert sync_macros.stale(sync_macros.macro_cell_source()) == [], (
+        "run: .venv/bin/python scripts/sync_macros.py"
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_executed_in_order(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+    counts = [c.execution_count for c in code]
+    assert None not in counts, "every code cell is committed executed"
+    assert counts == list(range(1, len(code) + 1)), "executed top to bottom in one kernel"
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_only_timings_escape_nbval(path):
+    """Timings are the one genuinely variable output, and only the cost chapter has them."""
+    nb = nbformat.read(path, as_version=4)
+    ignored = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith(IGNORE_MARK)]
+    if path.stem not in TIMING_NOTEBOOKS:
+        assert ignored == [], f"{path.name} hides outputs from nbval"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_memory_addresses_in_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            text = out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
+            assert not re.search(r" at 0x[0-9a-f]{6,}", text), text[:200]
