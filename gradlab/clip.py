@@ -107,7 +107,7 @@ def _as_tensor_list(tensors: TensorOrTensors, name: str) -> list[Tensor]:
 def _grads_of(parameters: TensorOrTensors) -> list[Tensor]:
     """The gradients of ``parameters`` that exist, in order."""
     params = _as_tensor_list(parameters, "parameters")
-    return [p.grad for p in params if p.grad is not None]
+    return [g for p in params if (g := p.grad) is not None]
 
 
 # ------------------------------------------------------------------- device groups
@@ -115,6 +115,8 @@ def _grads_of(parameters: TensorOrTensors) -> list[Tensor]:
 
 def _groups(tensors: list[Tensor]) -> list[tuple[torch.device, torch.dtype, list[Tensor]]]:
     """Split ``tensors`` into (device, dtype, tensors) groups, keeping every tensor once."""
+    if not tensors:  # torch's grouping helper rejects an empty list
+        return []
     grouped = _group_tensors_by_device_and_dtype([tensors])
     return [
         (device, dtype, device_tensors)
@@ -141,28 +143,78 @@ def _accumulation_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
 # ---------------------------------------------------------------------- total norm
 
 
-def _total_norm(tensors: list[Tensor], p: float, foreach: bool | None) -> Tensor:
+#: From this many entries on, a CPU tensor's max |entry| is taken with aminmax.
+_AMINMAX_MIN_NUMEL = 1024
+
+
+def _max_abs_on_cpu(group: list[Tensor], use_foreach: bool, dtype: torch.dtype) -> Tensor:
+    """max |g| of each (non-empty) CPU tensor of ``group``, as a 1-D tensor of ``dtype``.
+
+    The same numbers as the inf-norm (a max is exact, and NaN propagates through
+    both), but faster: torch's CPU inf-norm kernel reads about 8x slower than
+    ``aminmax``, and max |g| = max(max g, -min g). A Python call per tensor costs
+    more than the kernel for small tensors, so those keep the (foreach) inf-norm.
+    The order of the results is not the order of ``group``; a max does not care.
+    """
+    small = [g for g in group if g.numel() < _AMINMAX_MIN_NUMEL]
+    large = [g for g in group if g.numel() >= _AMINMAX_MIN_NUMEL]
+    pieces: list[Tensor] = []
+    if small:
+        if use_foreach:
+            norms = torch._foreach_norm(small, math.inf, dtype=dtype)
+        else:
+            norms = [torch.linalg.vector_norm(g, math.inf, dtype=dtype) for g in small]
+        pieces.append(torch.stack(norms))
+    if large:
+        lows, highs = zip(*(torch.aminmax(g) for g in large), strict=True)
+        pieces.append(torch.maximum(torch.stack(highs), torch.stack(lows).neg()).to(dtype))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _total_norm(
+    tensors: list[Tensor],
+    p: float,
+    foreach: bool | None,
+    groups: list[tuple[torch.device, torch.dtype, list[Tensor]]] | None = None,
+) -> Tensor:
     r"""The p-norm of ``tensors`` viewed as one vector (no argument checks).
 
     Uses :math:`\|g\|_p = \bigl\|(\|g_1\|_p, \dots, \|g_k\|_p)\bigr\|_p`: the norm of
-    the per-tensor norms, so no concatenated copy is ever made.
+    the per-tensor norms, so no concatenated copy is ever made. ``groups`` may pass
+    in ``_groups(tensors)`` when the caller needs them again afterwards. The vector
+    of per-tensor norms is the one torch builds (same values, same order), so the
+    result is bit-for-bit torch's wherever torch computes the same per-tensor norms.
     """
     if not tensors:
         return torch.tensor(0.0)
     first_device = tensors[0].device
-    groups = _groups(tensors)
+    if groups is None:
+        groups = _groups(tensors)
     acc_dtype = _accumulation_dtype(dtype for _, dtype, _ in groups)
-    per_tensor: list[Tensor] = []
+    pieces: list[Tensor] = []  # one 1-D tensor of per-tensor norms per group
     for device, dtype, group in groups:
+        if p == math.inf:
+            # The max over no entries is 0 (every norm is >= 0), but torch's kernels
+            # refuse to reduce an empty tensor with max: leave empty ones out.
+            group = [g for g in group if g.numel() > 0]
+            if not group:
+                continue
         # float32/float64 keep torch's exact kernel call; 16-bit inputs are reduced
         # in float32, where a norm of a few hundred large entries cannot overflow.
         norm_dtype = torch.float32 if dtype in _LOW_PRECISION else None
-        if _use_foreach(group, device, foreach):
-            per_tensor.extend(torch._foreach_norm(group, p, dtype=norm_dtype))
+        use_foreach = _use_foreach(group, device, foreach)
+        if p == math.inf and device.type == "cpu" and dtype.is_floating_point:
+            piece = _max_abs_on_cpu(group, use_foreach, norm_dtype or dtype)
+        elif use_foreach:
+            piece = torch.stack(torch._foreach_norm(group, p, dtype=norm_dtype))
         else:
-            per_tensor.extend(torch.linalg.vector_norm(g, p, dtype=norm_dtype) for g in group)
-    stacked = torch.stack([n.to(device=first_device, dtype=acc_dtype) for n in per_tensor])
-    return torch.linalg.vector_norm(stacked, p)
+            piece = torch.stack([torch.linalg.vector_norm(g, p, dtype=norm_dtype) for g in group])
+        # One .to() per group (a no-op when nothing changes), not one per tensor.
+        pieces.append(piece.to(device=first_device, dtype=acc_dtype))
+    if not pieces:  # only empty tensors and the inf-norm
+        return torch.zeros((), dtype=acc_dtype, device=first_device)
+    per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return torch.linalg.vector_norm(per_tensor, p)
 
 
 def _raise_if_nonfinite(total_norm: Tensor, p: float) -> None:
@@ -234,9 +286,10 @@ def clip_grad_norm_(
     The direction of the whole gradient is kept. The coefficient is clamped and always
     multiplied, never branched on, so the decision stays on the device. Same
     gradients and return value as :func:`torch.nn.utils.clip_grad_norm_` (16-bit
-    gradients get a float32 norm). A NaN or infinite norm makes every gradient NaN
-    (``max_norm / inf = 0`` and ``inf * 0 = NaN``); use :func:`grad_ignore_norm_`, or
-    ``error_if_nonfinite=True``, to guard against that.
+    gradients get a float32 norm). A non-finite norm wrecks the gradient: a NaN norm
+    makes every entry NaN, and an infinite one gives ``max_norm / inf = 0``, which
+    zeroes the finite entries and turns the infinite ones into NaN (``inf * 0``); use
+    :func:`grad_ignore_norm_`, or ``error_if_nonfinite=True``, to guard against that.
 
     Args:
         parameters: a tensor or an iterable of tensors whose ``.grad`` is rescaled
@@ -256,11 +309,12 @@ def clip_grad_norm_(
     _check_foreach(foreach)
     grads = _grads_of(parameters)
     with torch.no_grad():
-        total = _total_norm(grads, p, foreach)
+        groups = _groups(grads)
+        total = _total_norm(grads, p, foreach, groups)
         if error_if_nonfinite:
             _raise_if_nonfinite(total, p)
         coef = torch.clamp(max_norm / (total + EPS), max=1.0)
-        for device, _, group in _groups(grads):
+        for device, _, group in groups:
             coef_here = coef.to(device)
             if _use_foreach(group, device, foreach):
                 torch._foreach_mul_(group, coef_here)
@@ -309,19 +363,41 @@ def clip_grad_value_(
 # ------------------------------------------------------------------------ ignoring
 
 
-def _zero_unless(grads: list[Tensor], keep: Tensor) -> None:
+#: A signed integer type of each float width, used to select a whole tensor's bits.
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _zero_unless(
+    groups: list[tuple[torch.device, torch.dtype, list[Tensor]]],
+    keep: Tensor,
+    foreach: bool | None,
+) -> None:
     """Zero every gradient unless the 0-dim boolean ``keep`` is true, on the device.
 
-    A select, not a multiplication: ``NaN * 0`` is NaN, so multiplying by a 0/1 mask
-    would leave NaN behind in exactly the case an ignore exists for. When ``keep`` is
-    true every entry is left bit-for-bit as it was. torch has no foreach select, so
-    this is one kernel per tensor.
+    This must be a select, not a float multiplication: ``NaN * 0`` is NaN, so
+    multiplying by a 0/1 mask would leave NaN behind in exactly the case an ignore
+    exists for. torch has no foreach select, so the select is done on the bits: each
+    gradient is viewed (no copy) as integers of the same width and multiplied by the
+    integer 0 or 1. Times 1 keeps every bit, NaN payloads and -0.0 included; times 0
+    gives all-zero bits, which is +0.0 in every IEEE format. An integer product
+    never looks at what the bits mean, so NaN and inf become 0 like anything else,
+    and it is one foreach kernel per group instead of one kernel per tensor.
     """
-    for device, dtype, group in _groups(grads):
-        keep_here = keep.to(device)
-        zero = torch.zeros((), dtype=dtype, device=device)
-        for g in group:
-            torch.where(keep_here, g, zero, out=g)
+    for device, dtype, group in groups:
+        int_dtype = _SAME_WIDTH_INT.get(dtype.itemsize) if dtype.is_floating_point else None
+        if int_dtype is None:  # complex gradients, say: select tensor by tensor
+            keep_here = keep.to(device)
+            zero = torch.zeros((), dtype=dtype, device=device)
+            for g in group:
+                torch.where(keep_here, g, zero, out=g)
+            continue
+        factor = keep.to(device=device, dtype=int_dtype)
+        bits = [g.view(int_dtype) for g in group]
+        if _use_foreach(group, device, foreach):
+            torch._foreach_mul_(bits, factor)
+        else:
+            for b in bits:
+                b.mul_(factor)
 
 
 def grad_ignore_norm_(
@@ -350,7 +426,7 @@ def grad_ignore_norm_(
         norm_type: p, a positive number, or ``math.inf`` / ``'inf'``.
         error_if_nonfinite: raise RuntimeError, before any gradient changes, if the
             total norm is NaN or infinite.
-        foreach: see :func:`get_total_norm` (used for the norm).
+        foreach: see :func:`get_total_norm` (used for the norm and the zeroing).
 
     Returns:
         The total norm of the gradients before the decision, a 0-dim tensor.
@@ -361,11 +437,12 @@ def grad_ignore_norm_(
     _check_foreach(foreach)
     grads = _grads_of(parameters)
     with torch.no_grad():
-        total = _total_norm(grads, p, foreach)
+        groups = _groups(grads)
+        total = _total_norm(grads, p, foreach, groups)
         if error_if_nonfinite:
             _raise_if_nonfinite(total, p)
         keep = max_norm / (total + EPS) >= 1.0
-        _zero_unless(grads, keep)
+        _zero_unless(groups, keep, foreach)
     return total
 
 
@@ -388,7 +465,7 @@ def grad_ignore_value_(
         parameters: a tensor or an iterable of tensors whose ``.grad`` may be zeroed
             in place; tensors without a gradient are skipped.
         clip_value: the smallest absolute entry that triggers the ignore.
-        foreach: see :func:`get_total_norm` (used for the maximum).
+        foreach: see :func:`get_total_norm` (used for the maximum and the zeroing).
 
     Returns:
         The largest absolute gradient entry before the decision, a 0-dim tensor
@@ -398,7 +475,8 @@ def grad_ignore_value_(
     _check_foreach(foreach)
     grads = _grads_of(parameters)
     with torch.no_grad():
-        largest = _total_norm(grads, math.inf, foreach)
+        groups = _groups(grads)
+        largest = _total_norm(grads, math.inf, foreach, groups)
         keep = largest.to(torch.float64) < clip_value
-        _zero_unless(grads, keep)
+        _zero_unless(groups, keep, foreach)
     return largest
