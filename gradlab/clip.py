@@ -218,10 +218,10 @@ def _total_norm(
 
 
 def _raise_if_nonfinite(total_norm: Tensor, p: float) -> None:
-    # The one host read that the caller asked for.
-    if not torch.isfinite(total_norm):
+    value = total_norm.item()  # the one host read the caller asked for
+    if not math.isfinite(value):
         raise RuntimeError(
-            f"The total norm of order {p} of the gradients is non-finite ({total_norm.item()}). "
+            f"The total norm of order {p} of the gradients is non-finite ({value}). "
             "Pass error_if_nonfinite=False to clip or ignore it anyway."
         )
 
