@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradlab.sync import HostReadCounter
 
 __all__ = [
     "check_clip_grad_norm",
@@ -110,32 +111,16 @@ def _say(lines: Sequence[str]) -> None:
 # --------------------------------------------------------------- host reads
 
 
-class _HostReadDetector(TorchDispatchMode):
-    """Count every read of a tensor value into Python while active.
-
-    ``.item()``, ``float(t)``, ``bool(t)`` (and so ``if t > x:``) all go through
-    ``aten._local_scalar_dense``, which a dispatch mode sees. ``tolist`` and
-    ``numpy`` bypass the dispatcher, so they are wrapped for the duration.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
-
 @contextlib.contextmanager
-def _watch_host_reads() -> Iterator[_HostReadDetector]:
-    detector = _HostReadDetector()
+def _watch_host_reads() -> Iterator[HostReadCounter]:
+    """Count host reads: the dispatch-level ones, and ``tolist``/``numpy``, which
+    bypass the dispatcher and so are wrapped for the duration."""
+    detector = HostReadCounter()
     saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
 
     def counting(method):
         def wrapper(self, *args, **kwargs):
-            detector.reads += 1
+            detector.count += 1
             return method(self, *args, **kwargs)
 
         return wrapper
@@ -657,7 +642,7 @@ def _run_grad_cases(
                     " (a 0-dim tensor)",
                     f"  your return value:     {_value_text(result)}",
                 )
-        if detector is not None and detector.reads:
+        if detector is not None and detector.count:
             _say(
                 [
                     f"Case {index} of {len(cases)}: {_describe(case)}.",

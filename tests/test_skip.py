@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradlab import StepGuard, StepRecord, grad_ignore_norm_
 from gradlab.skip import DECISIONS
+from gradlab.sync import HostReadCounter
 
 # ------------------------------------------------------------------------ fixtures
 
@@ -445,17 +446,6 @@ class _NoHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _CountHostReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode", ["clip", "ignore", "none"])
 @pytest.mark.parametrize("name", ["sgd-momentum-wd", "sgd-nesterov", "adam-fused", "adamw-fused"])
 def test_sync_false_never_reads_the_device(name, mode):
@@ -487,9 +477,9 @@ def test_sync_false_adds_no_host_read_to_the_optimizers_own(name):
     for i, batch in enumerate(batches):
         _backward(bare_model, batch)
         _backward(guarded_model, batch)
-        with _CountHostReads() as own:
+        with HostReadCounter() as own:
             bare.step()
-        with _CountHostReads() as guarded:
+        with HostReadCounter() as guarded:
             guard.step()
         if i > 0:
             assert guarded.count == own.count
@@ -504,7 +494,7 @@ def test_host_reads_per_step():
         counts = []
         for batch in _batches(steps):
             _backward(model, batch)
-            with _CountHostReads() as c:
+            with HostReadCounter() as c:
                 guard.step()
             counts.append(c.count)
             guard.zero_grad()

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradlab
 from gradlab import demos
 from gradlab.plots import IGNORE, SKIP, new_figure
+from gradlab.sync import HostReadCounter
 
 __all__ = [
     "OPTIMIZERS",
@@ -202,25 +202,6 @@ def drift_after_bad_batch(
 
 
 # ----------------------------------------------------------------------- host reads
-
-
-class HostReadCounter(TorchDispatchMode):
-    """Count the operations that read a tensor's value on the host.
-
-    ``aten._local_scalar_dense`` is what ``.item()``, ``bool(t)``, ``int(t)`` and
-    ``float(t)`` dispatch to: on a GPU each one waits for the GPU queue to drain. On
-    the CPU it is cheap, but it is still counted, so the count shows on a laptop
-    what would synchronise on a GPU.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def host_reads_per_step(
