@@ -7,7 +7,8 @@ Two kinds of numbers:
   value is read back on the host (``aten._local_scalar_dense``), all seen through a
   :class:`~torch.utils._python_dispatch.TorchDispatchMode`;
 * **timings**, which depend on the machine: taken with :mod:`gradlab.benchmark`
-  (median of repeats, after a warm-up).
+  (median of repeats, after a warm-up, every implementation interleaved with the
+  others).
 
 The cost model joins them:
 
@@ -37,7 +38,7 @@ from gradlab.benchmark import (
     loop_ignore_norm_,
     loop_ignore_value_,
     make_parameters,
-    time_call,
+    time_calls,
 )
 from gradlab.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
 
@@ -202,18 +203,21 @@ def time_sweep(
     """Time every implementation, and the one-pass floor, at each number of tensors.
 
     The floor is :func:`gradlab.benchmark.floor_norm` on one flat tensor holding all
-    ``n_elements`` numbers: the least any total-norm computation can cost.
+    ``n_elements`` numbers: the least any total-norm computation can cost. At each
+    number of tensors the floor and the implementations are timed interleaved
+    (:func:`gradlab.benchmark.time_calls`, median of ``repeats`` rounds), so that
+    whatever else the machine is doing slows them alike and the ratios stay fair.
     """
     implementations = IMPLEMENTATIONS if implementations is None else implementations
     times: dict[str, list[float]] = {FLOOR: [], **{name: [] for name in implementations}}
     flat = make_parameters(1, n_elements)[0].grad
     for n in n_tensors:
         params = make_parameters(n, n_elements)
-        times[FLOOR].append(time_call(lambda: floor_norm(flat), repeats=repeats, warmup=warmup))
+        calls: dict[str, Callable[[], object]] = {FLOOR: lambda: floor_norm(flat)}
         for name, fn in implementations.items():
-            times[name].append(
-                time_call(lambda fn=fn, params=params: fn(params), repeats=repeats, warmup=warmup)
-            )
+            calls[name] = lambda fn=fn, params=params: fn(params)
+        for name, seconds in time_calls(calls, repeats=repeats, warmup=warmup).items():
+            times[name].append(seconds)
     counts = count_table(n_tensors, n_elements, implementations)
     counts[FLOOR] = [count_ops(lambda: floor_norm(flat)) for _ in n_tensors]
     return Sweep(
