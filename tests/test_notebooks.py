@@ -9,9 +9,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-import sync_macros  # noqa: E402
+import sync_headers  # noqa: E402
 
-NOTEBOOKS = sync_macros.notebooks()
+NOTEBOOKS = sync_headers.notebooks()
 IGNORE_MARK = "# NBVAL_IGNORE_OUTPUT"
 TIMING_NOTEBOOKS = {"costs"}
 
@@ -20,9 +20,9 @@ def test_there_are_chapters():
     assert len(NOTEBOOKS) >= 9
 
 
-def test_every_notebook_carries_the_current_notation():
-    assert sync_macros.stale(sync_macros.macro_cell_source()) == [], (
-        "run: .venv/bin/python scripts/sync_macros.py"
+def test_every_notebook_carries_the_current_header():
+    assert sync_headers.stale(sync_headers.macro_cell_source()) == [], (
+        "run: .venv/bin/python scripts/sync_headers.py"
     )
 
 
