@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -182,8 +183,10 @@ def time_calls(
     """The median time of each callable in ``fns``, in seconds, measured interleaved.
 
     Like :func:`time_call`, but round-robin: each of the ``repeats`` rounds runs every
-    callable once, in order. Whatever else the machine is doing then slows all of
-    them alike, instead of whichever happened to be timed at a busy moment.
+    callable once, in a fresh (seeded) random order. Whatever else the machine is doing
+    then slows all of them alike, instead of whichever happened to be timed at a busy
+    moment, and no callable always runs right after the same neighbour (whose caches,
+    allocations and idle threads it would otherwise inherit every time).
     ``statistic`` is ``"median"`` or ``"min"``, as in :func:`time_call`.
     """
     _check_timing(repeats, warmup, statistic)
@@ -192,8 +195,12 @@ def time_calls(
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    shuffler = random.Random(0)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        shuffler.shuffle(order)
+        for name in order:
+            fn = fns[name]
             _synchronize(device)
             start = time.perf_counter()
             fn()
