@@ -125,7 +125,12 @@ def test_time_calls_interleaves():
         {"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3, warmup=1
     )
     assert set(medians) == {"a", "b"} and all(v >= 0.0 for v in medians.values())
-    assert order == ["a", "b"] * 4
+    warmup, rounds = order[:2], order[2:]
+    assert warmup == ["a", "b"]
+    assert len(rounds) == 6
+    assert all(sorted(rounds[i : i + 2]) == ["a", "b"] for i in range(0, 6, 2)), (
+        "every round runs each callable once"
+    )
 
 
 def test_statistic_choice():
@@ -134,3 +139,12 @@ def test_statistic_choice():
         time_call(lambda: None, statistic="mean")
     with pytest.raises(ValueError, match="statistic"):
         benchmark_table([Case("tiny", 2, 8)], statistic="mean")
+
+
+def test_time_calls_varies_the_order_between_rounds():
+    order = []
+    calls = {name: (lambda name=name: order.append(name)) for name in "abcde"}
+    time_calls(calls, repeats=6, warmup=0)
+    rounds = ["".join(order[i : i + 5]) for i in range(0, 30, 5)]
+    assert all(sorted(r) == list("abcde") for r in rounds)
+    assert len(set(rounds)) > 1, "no callable always follows the same neighbour"
