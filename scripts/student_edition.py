@@ -52,6 +52,8 @@ from pathlib import Path
 import nbformat
 import yaml
 
+from gradlab import exercises
+
 ROOT = Path(__file__).resolve().parent.parent
 
 BEGIN = "### BEGIN SOLUTION"
@@ -79,15 +81,7 @@ _IGNORE = shutil.ignore_patterns(
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|:{3,})[ \t]*(?P<info>[^\n]*?)[ \t]*$")
 #: The self-checks of gradlab.exercises; a code cell that calls one is a check cell.
-CHECKS = (
-    "check_clip_grad_norm",
-    "check_clip_grad_value",
-    "check_grad_ignore_norm",
-    "check_grad_ignore_value",
-    "check_guarded_step",
-    "check_threshold_choice",
-    "check_total_norm",
-)
+CHECKS = tuple(exercises.__all__)
 _CHECK_CALL = re.compile(r"\b(?:" + "|".join(CHECKS) + r")\s*\(")
 
 
