@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "backward",
+    "grad_holders",
     "gradients",
     "linear_model",
     "regression_data",
@@ -78,3 +79,17 @@ def backward(model: nn.Module, x: Tensor, y: Tensor) -> float:
 def gradients(model: nn.Module) -> list[Tensor]:
     """Detached copies of the model's current gradients (``None`` ones left out)."""
     return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def grad_holders(grads: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
+    """Fresh tensors whose ``.grad`` are copies of ``grads`` (cast to ``dtype`` if given).
+
+    Lets a gradlab function act on recorded gradients, again and again, without
+    touching the originals.
+    """
+    holders = []
+    for grad in grads:
+        holder = torch.zeros_like(grad, dtype=dtype)
+        holder.grad = grad.detach().to(dtype=holder.dtype, copy=True)
+        holders.append(holder)
+    return holders

@@ -29,6 +29,7 @@ from matplotlib.patches import Circle, Rectangle
 from torch import Tensor, nn
 
 import gradlab
+from gradlab.demos import grad_holders
 from gradlab.plots import CLIP, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
@@ -217,11 +218,7 @@ def layer_clamping(
     )
     fractions = []
     for threshold in thresholds:
-        params = []
-        for _, grad in pairs:
-            param = torch.zeros_like(grad)
-            param.grad = grad.clone()
-            params.append(param)
+        params = grad_holders([grad for _, grad in pairs])
         gradlab.clip_grad_value_(params, threshold)
         row = []
         for (_, grad), param in zip(pairs, params, strict=True):
@@ -256,15 +253,6 @@ class NormsAfterClipping:
     bound: tuple[float, ...]
 
 
-def _copies(grads: Sequence[Tensor]) -> list[Tensor]:
-    params = []
-    for grad in grads:
-        param = torch.zeros_like(grad)
-        param.grad = grad.detach().clone()
-        params.append(param)
-    return params
-
-
 def norms_after_clipping(
     grads: Sequence[Tensor], thresholds: Sequence[float]
 ) -> NormsAfterClipping:
@@ -273,10 +261,10 @@ def norms_after_clipping(
     n = sum(g.numel() for g in grads)
     by_norm, two, inf, bound = [], [], [], []
     for c in thresholds:
-        normed = _copies(grads)
+        normed = grad_holders(grads)
         gradlab.clip_grad_norm_(normed, c)
         by_norm.append(float(gradlab.get_total_norm([p.grad for p in normed])))
-        valued = _copies(grads)
+        valued = grad_holders(grads)
         gradlab.clip_grad_value_(valued, c)
         two.append(float(gradlab.get_total_norm([p.grad for p in valued])))
         inf.append(float(gradlab.get_total_norm([p.grad for p in valued], math.inf)))

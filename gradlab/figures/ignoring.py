@@ -97,16 +97,6 @@ class GradientStream:
         return sum(g.numel() for g in self.grads[0]) if self.grads else 0
 
 
-def _leaves(grads: Sequence[Tensor]) -> list[Tensor]:
-    """Fresh leaf tensors whose ``.grad`` are copies of ``grads``."""
-    leaves = []
-    for g in grads:
-        leaf = torch.zeros_like(g, requires_grad=True)
-        leaf.grad = g.detach().clone()
-        leaves.append(leaf)
-    return leaves
-
-
 def _reference(values: Sequence[float], kinds: Sequence[str]) -> float:
     clean = [v for v, k in zip(values, kinds, strict=True) if k == "clean" and math.isfinite(v)]
     return max(clean) if clean else 0.0
@@ -242,11 +232,11 @@ def norm_decisions(stream: GradientStream, max_norm: float) -> NormDecisions:
     on a copy of every step of ``stream`` with threshold ``max_norm``."""
     kept, returned, clip_update, ignore_update = [], [], [], []
     for step in stream.grads:
-        clipped = _leaves(step)
+        clipped = demos.grad_holders(step)
         gradlab.clip_grad_norm_(clipped, max_norm)
         clip_update.append(float(gradlab.get_total_norm([p.grad for p in clipped])))
 
-        ignored = _leaves(step)
+        ignored = demos.grad_holders(step)
         total = gradlab.grad_ignore_norm_(ignored, max_norm)
         after = [p.grad for p in ignored]
         returned.append(float(total))
@@ -315,10 +305,10 @@ def value_norm_decisions(stream: GradientStream, margin: float) -> ValueNormDeci
     max_norm = math.inf if margin == math.inf else margin * stream.reference_norm
     by_value, by_norm = [], []
     for step in stream.grads:
-        valued = _leaves(step)
+        valued = demos.grad_holders(step)
         gradlab.grad_ignore_value_(valued, clip_value)
         by_value.append(_zeroed(step, [p.grad for p in valued]))
-        normed = _leaves(step)
+        normed = demos.grad_holders(step)
         gradlab.grad_ignore_norm_(normed, max_norm)
         by_norm.append(_zeroed(step, [p.grad for p in normed]))
     return ValueNormDecisions(

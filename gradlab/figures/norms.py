@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from gradlab.clip import clip_grad_norm_, get_total_norm
-from gradlab.demos import regression_data, small_mlp
+from gradlab.demos import grad_holders, regression_data, small_mlp
 from gradlab.plots import CLIP, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
@@ -212,17 +212,9 @@ def group_clipping(
     if sorted(i for g in groups for i in g) != list(range(n)):
         raise ValueError("groups must use every tensor index exactly once")
 
-    def holders() -> list[Tensor]:
-        out = []
-        for g in grads:
-            h = torch.zeros_like(g, dtype=torch.float64)
-            h.grad = g.detach().to(torch.float64).clone()
-            out.append(h)
-        return out
-
-    global_holders = holders()
+    global_holders = grad_holders(grads, torch.float64)
     clip_grad_norm_(global_holders, max_norm, norm_type=norm_type)
-    group_holders = holders()
+    group_holders = grad_holders(grads, torch.float64)
     for group in groups:
         clip_grad_norm_([group_holders[i] for i in group], max_norm, norm_type=norm_type)
 
