@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from gradlab.clip import (
+    _SAME_WIDTH_INT,
     EPS,
     _check_norm_type,
     _check_threshold,
@@ -493,9 +494,6 @@ def _by_device(
 
 
 #: Integer types of each element size: a select on their bits is exact for any dtype.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _select_(
     live: Tensor, old: Tensor, keep: Tensor, masks: dict[tuple[torch.device, torch.dtype], Tensor]
 ) -> None:
@@ -507,7 +505,7 @@ def _select_(
     times faster on CPU than ``torch.where`` with a broadcast 0-dim condition (used
     where a bit view is impossible). ``old`` is overwritten.
     """
-    bits = _BITS.get(live.element_size())
+    bits = _SAME_WIDTH_INT.get(live.element_size())
     if bits is None or not (live.is_contiguous() and old.is_contiguous()) or live.is_complex():
         torch.where(keep.to(live.device), live, old, out=live)
         return
