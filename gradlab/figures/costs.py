@@ -41,6 +41,7 @@ from gradlab.benchmark import (
     time_calls,
 )
 from gradlab.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
+from gradlab.sync import HOST_READ
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -59,7 +60,6 @@ __all__ = [
     "time_sweep",
 ]
 
-_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 
 # A threshold far above any gradient in these measurements: every call keeps the
 # gradients as they are, so each repeat does the same work.
@@ -152,7 +152,7 @@ class _OpCounter(TorchDispatchMode):
                 self.count.tensor_visits += 1
             elif isinstance(arg, list | tuple):
                 self.count.tensor_visits += sum(isinstance(a, torch.Tensor) for a in arg)
-        if func is _LOCAL_SCALAR:
+        if func is HOST_READ:
             self.count.host_reads += 1
         return func(*args, **kwargs)
 
