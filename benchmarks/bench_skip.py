@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gradlab
-from gradlab import demos
+from gradlab.book import demos
 
 
 def make_model() -> nn.Module:

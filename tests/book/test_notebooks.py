@@ -1,17 +1,13 @@
 """Properties every chapter notebook must keep (nbval checks their outputs separately)."""
 
 import re
-import sys
-from pathlib import Path
 
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import sync_headers  # noqa: E402
+from gradlab.book import headers
 
-NOTEBOOKS = sync_headers.notebooks()
+NOTEBOOKS = headers.notebooks()
 IGNORE_MARK = "# NBVAL_IGNORE_OUTPUT"
 TIMING_NOTEBOOKS = {"costs"}
 
@@ -21,8 +17,8 @@ def test_there_are_chapters():
 
 
 def test_every_notebook_carries_the_current_header():
-    assert sync_headers.stale(sync_headers.macro_cell_source()) == [], (
-        "run: .venv/bin/python scripts/sync_headers.py"
+    assert headers.stale(headers.macro_cell_source()) == [], (
+        "run: .venv/bin/python -m gradlab.book.headers"
     )
 
 

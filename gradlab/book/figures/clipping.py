@@ -29,8 +29,8 @@ from matplotlib.patches import Circle, Rectangle
 from torch import Tensor, nn
 
 import gradlab
-from gradlab.demos import grad_holders
-from gradlab.plots import CLIP, KEEP, NONE, THRESHOLD, new_figure
+from gradlab.book.demos import grad_holders
+from gradlab.book.plots import CLIP, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
     "LayerClamping",

@@ -1,4 +1,4 @@
-"""Tests of gradlab.figures.costs (chapter 9): exact counts, the cost model, figures."""
+"""Tests of gradlab.book.figures.costs (chapter 9): exact counts, the cost model, figures."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from matplotlib.figure import Figure
 
 import gradlab
-from gradlab.benchmark import loop_ignore_norm_, loop_ignore_value_, make_parameters
-from gradlab.figures import costs
-from gradlab.plots import png_bytes
+from gradlab.book.benchmark import loop_ignore_norm_, loop_ignore_value_, make_parameters
+from gradlab.book.figures import costs
+from gradlab.book.plots import png_bytes
 
 # --------------------------------------------------------------------------- counts
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradlab
-from gradlab import exercises as ex
+from gradlab.book import exercises as ex
 
 # ------------------------------------------------------------ correct answers
 

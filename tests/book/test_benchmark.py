@@ -7,7 +7,7 @@ import torch
 from clip_helpers import assert_all_plus_zero, assert_grads_unchanged, math_norm, snapshot
 
 import gradlab
-from gradlab.benchmark import (
+from gradlab.book.benchmark import (
     DEFAULT_CASES,
     Case,
     benchmark_table,

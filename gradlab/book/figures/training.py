@@ -35,8 +35,8 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 import gradlab
-from gradlab.demos import regression_data, small_mlp
-from gradlab.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_figure
+from gradlab.book.demos import regression_data, small_mlp
+from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_figure
 
 __all__ = [
     "METHODS",

@@ -7,8 +7,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.figures import skipping
-from gradlab.plots import png_bytes
+from gradlab.book.figures import skipping
+from gradlab.book.plots import png_bytes
 
 
 @pytest.mark.parametrize("optimizer", sorted(skipping.OPTIMIZERS))

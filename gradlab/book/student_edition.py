@@ -2,9 +2,9 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/student_edition.py OUTDIR            # notebooks and HTML
-    .venv/bin/python scripts/student_edition.py OUTDIR --no-html  # notebooks only (fast)
-    .venv/bin/python scripts/student_edition.py OUTDIR --keep-marked-code  # for nbgrader/otter
+    .venv/bin/python -m gradlab.book.student_edition OUTDIR            # notebooks and HTML
+    .venv/bin/python -m gradlab.book.student_edition OUTDIR --no-html  # notebooks only (fast)
+    .venv/bin/python -m gradlab.book.student_edition OUTDIR --keep-marked-code  # for nbgrader/otter
 
 It writes
 
@@ -18,7 +18,7 @@ It writes
   - the gated ``{solution-start}`` / ``{solution-end}`` markdown cells, any markdown in
     between, and every ``{solution}`` directive block removed;
   - the outputs of the stubbed cells and of the check cells (cells that call one of
-    the ``gradlab.exercises`` checks, and the first code cell after a gated solution)
+    the ``gradlab.book.exercises`` checks, and the first code cell after a gated solution)
     cleared;
     every other cell keeps its outputs (figures included);
 
@@ -52,9 +52,9 @@ from pathlib import Path
 import nbformat
 import yaml
 
-from gradlab import exercises
+from gradlab.book import exercises
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -80,7 +80,7 @@ _IGNORE = shutil.ignore_patterns(
 )
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|:{3,})[ \t]*(?P<info>[^\n]*?)[ \t]*$")
-#: The self-checks of gradlab.exercises; a code cell that calls one is a check cell.
+#: The self-checks of gradlab.book.exercises; a code cell that calls one is a check cell.
 CHECKS = tuple(exercises.__all__)
 _CHECK_CALL = re.compile(r"\b(?:" + "|".join(CHECKS) + r")\s*\(")
 

@@ -13,7 +13,7 @@ import torch
 from clip_helpers import HostSyncError, make_params, no_host_sync
 
 import gradlab
-from gradlab.benchmark import loop_ignore_norm_, loop_ignore_value_
+from gradlab.book.benchmark import loop_ignore_norm_, loop_ignore_value_
 
 
 def _inputs(kind):

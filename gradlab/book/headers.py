@@ -9,7 +9,7 @@
 
 Both cells have the ``remove-cell`` tag: the built book, which has the macros and the
 package already, leaves them out. Run after changing a macro:
-``.venv/bin/python scripts/sync_headers.py``; the test suite fails if any notebook's
+``.venv/bin/python -m gradlab.book.headers``; the test suite fails if any notebook's
 header is missing or stale (``--check``). Re-execute the notebooks you changed.
 """
 
@@ -22,15 +22,15 @@ from pathlib import Path
 import nbformat
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-MARKER = "<!-- notation: generated from _config.yml by scripts/sync_headers.py -->"
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = "<!-- notation: generated from _config.yml by gradlab/book/headers.py -->"
 HEADER_IDS = ("notation", "setup")
 SETUP_SOURCE = """\
 # Colab, Binder or any fresh kernel: install gradlab if it is missing.
 import importlib.util
 
 if importlib.util.find_spec("gradlab") is None:
-    %pip install --quiet "gradlab @ git+https://github.com/gradlab/gradlab"\
+    %pip install --quiet "gradlab[book] @ git+https://github.com/gradlab/gradlab"\
 """
 
 
@@ -76,6 +76,12 @@ def sync(path: Path, notation: str) -> bool:
     present = [c for c in nb.cells[: len(HEADER_IDS)] if _is_header(c)]
     if [c.source for c in present] == [c.source for c in wanted]:
         return False
+    for new, old in zip(wanted, present, strict=False):
+        if new.cell_type == "code" and old.cell_type == "code":
+            # Where gradlab is installed the setup cell prints nothing, so a refreshed
+            # cell keeps its place in the executed order without a re-run.
+            new.execution_count = old.execution_count
+            new.outputs = old.outputs
     nb.cells = wanted + nb.cells[len(present) :]
     nbformat.write(nb, path)
     return True

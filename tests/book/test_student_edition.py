@@ -9,10 +9,8 @@ chapters under book/ are checked too, whichever of them exist.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,20 +19,9 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-ROOT = Path(__file__).resolve().parent.parent
+from gradlab.book import student_edition as se
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "student_edition", ROOT / "scripts" / "student_edition.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-se = _load_script()
+ROOT = se.ROOT
 
 SENTINELS = [
     "SENTINEL_CODE_A",  # inside ### BEGIN/END SOLUTION
@@ -85,7 +72,7 @@ def test_unbalanced_markers_are_an_error(source):
 
 
 def test_check_cells_are_recognised_by_the_exercise_checks():
-    from gradlab import exercises
+    from gradlab.book import exercises
 
     assert sorted(se.CHECKS) == sorted(exercises.__all__)
     assert se._CHECK_CALL.search("from x import y\n\ncheck_total_norm(my_total_norm)")
@@ -158,7 +145,7 @@ def _chapter_a():
         cells=[
             new_markdown_cell("# Chapter Alpha\n\nThe word zebracorn is indexed for search."),
             new_code_cell(
-                "import torch\n\nfrom gradlab.exercises import check_grad_ignore_value\n\n"
+                "import torch\n\nfrom gradlab.book.exercises import check_grad_ignore_value\n\n"
                 'torch.manual_seed(0)\nprint("setup ok")'
             ),
             new_markdown_cell(
@@ -197,7 +184,10 @@ def _chapter_b():
         cells=[
             new_markdown_cell("# Chapter Beta"),
             new_code_cell(
-                "from gradlab.exercises import check_clip_grad_value, check_threshold_choice\n\n"
+                "from gradlab.book.exercises import (\n"
+                "    check_clip_grad_value,\n"
+                "    check_threshold_choice,\n"
+                ")\n\n"
                 'print("imports ok")'
             ),
             new_markdown_cell(":::{exercise}\n:label: fixture-b-threshold\nChoose `answer`.\n:::"),

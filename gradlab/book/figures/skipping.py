@@ -1,6 +1,6 @@
 r"""Figures for chapter 8: zeroing a gradient is not skipping a step.
 
-Three runs of the same small MLP from :mod:`gradlab.demos` see the same clean
+Three runs of the same small MLP from :mod:`gradlab.book.demos` see the same clean
 minibatches; two of them also see one bad batch (targets a thousand times too
 large) part-way through:
 
@@ -27,8 +27,8 @@ from matplotlib.figure import Figure
 from torch import nn
 
 import gradlab
-from gradlab import demos
-from gradlab.plots import IGNORE, SKIP, new_figure
+from gradlab.book import demos
+from gradlab.book.plots import IGNORE, SKIP, new_figure
 from gradlab.sync import HostReadCounter
 
 __all__ = [

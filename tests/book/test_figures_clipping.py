@@ -1,4 +1,4 @@
-"""Tests for gradlab.figures.clipping: the data against torch and the math, the figures
+"""Tests for gradlab.book.figures.clipping: the data against torch and the math, the figures
 at every control's extremes, on zero vectors and on NaN gradients."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from gradlab import demos
-from gradlab.figures import clipping as C
-from gradlab.interactive import Control, explore
-from gradlab.plots import png_bytes
+from gradlab.book import demos
+from gradlab.book.figures import clipping as C
+from gradlab.book.interactive import Control, explore
+from gradlab.book.plots import png_bytes
 
 NAN = float("nan")
 INF = float("inf")
