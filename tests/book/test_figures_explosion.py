@@ -70,7 +70,7 @@ def test_chain_with_zero_weights_is_all_zero_but_safe():
     assert np.all(data.signal_norms[:-1] == 0)
     assert data.measured_rate == 0.0
     assert data.predicted_rate == 0.0
-    assert isinstance(E.figure_chain(5, 0.0), Figure)
+    assert isinstance(E.chain_figure(5, 0.0), Figure)
 
 
 def test_layer_jacobians_multiply_to_the_chain_jacobian():
@@ -126,8 +126,8 @@ def test_outlier_run_differs_from_clean_run_only_from_the_outlier_on():
 def test_outlier_run_divergence_is_reported_and_drawn():
     run = E.outlier_run(100.0)
     assert run.diverged
-    assert isinstance(E.figure_outlier(100.0), Figure)
-    assert isinstance(E.figure_outlier(1.0), Figure)
+    assert isinstance(E.outlier_figure(100.0), Figure)
+    assert isinstance(E.outlier_figure(1.0), Figure)
     with pytest.raises(ValueError):
         E.outlier_run(2.0, steps=5, outlier_step=5)
 
@@ -171,12 +171,12 @@ def test_step_profile_curvature_matches_finite_differences():
 
 @pytest.mark.parametrize("max_length", [1e-3, 0.4, 5.0])
 def test_step_profile_figure(max_length):
-    assert isinstance(E.figure_step_profile(max_length, points=9), Figure)
+    assert isinstance(E.step_profile_figure(max_length, points=9), Figure)
 
 
 @pytest.mark.parametrize("depth", [DEPTHS[0], DEPTHS[-1]])
 @pytest.mark.parametrize("scale", [SCALES[0], SCALES[-1]])
 def test_chain_figure_at_every_control_extreme(depth, scale):
-    fig = E.figure_chain(depth, scale)
+    fig = E.chain_figure(depth, scale)
     assert isinstance(fig, Figure)
     assert tuple(fig.get_size_inches()) <= (6.4, 3.6)

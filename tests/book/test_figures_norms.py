@@ -48,14 +48,14 @@ def test_real_gradient_is_the_linear_models_gradient():
 @pytest.mark.parametrize("p", [PS[0], PS[-1], 2.0])
 @pytest.mark.parametrize("gradient", [None, [0.0, 0.0], [math.nan, 1.0], [1e6, -3.0]])
 def test_unit_ball_figure_at_extremes(p, gradient):
-    fig = N.figure_unit_ball(p, gradient)
+    fig = N.unit_ball_figure(p, gradient)
     assert isinstance(fig, Figure)
     assert tuple(fig.get_size_inches()) <= (6.4, 3.6)
 
 
 def test_unit_ball_figure_rejects_wrong_shape():
     with pytest.raises(ValueError):
-        N.figure_unit_ball(2.0, [1.0, 2.0, 3.0])
+        N.unit_ball_figure(2.0, [1.0, 2.0, 3.0])
 
 
 def _torch_clip(grads, max_norm, groups, norm_type=2.0):
@@ -129,11 +129,11 @@ def test_group_clipping_nan_gradient_does_not_raise():
 @pytest.mark.parametrize("max_norm", [MAX_NORMS[0], MAX_NORMS[-1], 0.0])
 @pytest.mark.parametrize("by", ["layer", "tensor"])
 def test_group_clipping_figure_at_extremes(max_norm, by):
-    fig = N.figure_group_clipping(max_norm, by)
+    fig = N.group_clipping_figure(max_norm, by)
     assert isinstance(fig, Figure)
     assert tuple(fig.get_size_inches()) <= (6.4, 3.6)
 
 
 def test_group_clipping_figure_rejects_unknown_grouping():
     with pytest.raises(ValueError):
-        N.figure_group_clipping(1.0, by="row")
+        N.group_clipping_figure(1.0, by="row")

@@ -1,4 +1,4 @@
-r"""Figures for chapters 3 and 4: clipping by norm and clipping by value.
+r"""Clipping by norm and by value (taught in book/algorithms/clip_norm and clip_value).
 
 Compute functions return plain numbers in frozen dataclasses; figure functions draw
 them and nothing else. Every computation runs the real :mod:`gradlab` function on a

@@ -1,4 +1,4 @@
-r"""Chapter 9: what clipping and ignoring cost, counted and timed.
+r"""What clipping and ignoring cost, counted and timed (taught in book/training/costs).
 
 Two kinds of numbers:
 

@@ -1,4 +1,4 @@
-r"""Chapter 1, why gradients explode: deep chains, an outlier batch, one huge step.
+r"""Why gradients explode: chains, an outlier batch, one huge step (book/foundations/explode).
 
 Compute functions return plain numbers and NumPy arrays (tested against torch and the
 mathematics); figure functions draw them and are what the chapter's explorable
@@ -36,16 +36,16 @@ __all__ = [
     "QuadraticDescent",
     "RNNGradients",
     "StepProfile",
+    "chain_figure",
     "chain_gradients",
-    "figure_chain",
-    "figure_outlier",
-    "figure_step_profile",
     "geometric_rate",
     "layer_jacobians",
+    "outlier_figure",
     "outlier_run",
     "quadratic_descent",
     "rnn_state_gradients",
     "step_profile",
+    "step_profile_figure",
 ]
 
 
@@ -273,7 +273,7 @@ def rnn_state_gradients(
     )
 
 
-def figure_chain(depth: int = 20, weight_scale: float = 1.5, width: int = 32) -> Figure:
+def chain_figure(depth: int = 20, weight_scale: float = 1.5, width: int = 32) -> Figure:
     """Per-layer backward-signal and weight-gradient norms of a tanh chain, log scale."""
     data = chain_gradients(depth, weight_scale, width=width)
     layers = np.arange(data.depth + 1)
@@ -427,7 +427,7 @@ def _plot_capped(ax, steps: np.ndarray, values: np.ndarray, top: float) -> None:
         )
 
 
-def figure_outlier(outlier_scale: float = 10.0, steps: int = 40, outlier_step: int = 20) -> Figure:
+def outlier_figure(outlier_scale: float = 10.0, steps: int = 40, outlier_step: int = 20) -> Figure:
     """Gradient norm and clean loss of an SGD run with one corrupted batch."""
     run = outlier_run(outlier_scale, steps=steps, outlier_step=outlier_step)
     t = np.arange(steps)
@@ -576,7 +576,7 @@ def step_profile(lengths: np.ndarray, warmup_steps: int = 20, seed: int = 0) -> 
     )
 
 
-def figure_step_profile(max_length: float = 0.4, points: int = 41, lr: float = 0.05) -> Figure:
+def step_profile_figure(max_length: float = 0.4, points: int = 41, lr: float = 0.05) -> Figure:
     """The clean loss along the gradient direction vs its first- and second-order models."""
     lengths = np.linspace(0.0, max_length, points)
     data = step_profile(lengths)

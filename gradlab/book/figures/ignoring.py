@@ -1,4 +1,4 @@
-r"""Figures for chapters 5 and 6: ignoring by norm and ignoring by value.
+r"""Ignoring by norm and by value (taught in book/algorithms/ignore_norm and ignore_value).
 
 Compute functions return plain numbers in frozen dataclasses; figure functions draw
 them and nothing else. The gradients are real: :func:`minibatch_stream` trains a

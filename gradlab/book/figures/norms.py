@@ -1,4 +1,4 @@
-r"""Chapter 2, measuring a gradient: p-norms, unit balls, and per-group vs global clipping.
+r"""p-norms, unit balls, per-group vs global clipping (taught in book/foundations/norms).
 
 Compute functions return plain numbers and NumPy arrays (tested against torch and the
 mathematics); figure functions draw them and are what the chapter's explorable
@@ -28,14 +28,14 @@ from gradlab.clip import clip_grad_norm_, get_total_norm
 
 __all__ = [
     "GroupClipping",
-    "figure_group_clipping",
-    "figure_unit_ball",
     "group_clipping",
+    "group_clipping_figure",
     "layer_groups",
     "mlp_gradients",
     "p_norm",
     "real_gradient_2d",
     "unit_ball",
+    "unit_ball_figure",
 ]
 
 
@@ -84,7 +84,7 @@ def real_gradient_2d(seed: int = 0) -> np.ndarray:
     return model.weight.grad.detach().reshape(-1).double().numpy().copy()
 
 
-def figure_unit_ball(p: float = 2.0, gradient: Sequence[float] | None = None) -> Figure:
+def unit_ball_figure(p: float = 2.0, gradient: Sequence[float] | None = None) -> Figure:
     r"""The unit ball of the p-norm, the sphere :math:`\|v\|_p = \|g\|_p`, and g itself."""
     p = _check_p(p)
     g = real_gradient_2d() if gradient is None else np.asarray(gradient, dtype=float).reshape(-1)
@@ -258,7 +258,7 @@ def group_clipping(
     )
 
 
-def figure_group_clipping(max_norm: float = 2.0, by: str = "layer") -> Figure:
+def group_clipping_figure(max_norm: float = 2.0, by: str = "layer") -> Figure:
     """Group norms of a small MLP's gradient: unclipped, clipped globally, clipped per group.
 
     ``by`` is ``"layer"`` (weight and bias of a layer together) or ``"tensor"``.
