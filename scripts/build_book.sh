@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Set up everything and build the book: .venv with the pinned requirements and gradlab,
-# then every notebook executed and the HTML written to _build/html (warnings are errors).
+# Set up everything, then build the book.
+#
+#  1. .venv with the pinned requirements.txt (torch 2.13.0, CPU wheel) and gradlab with
+#     its book and test extras, editable;
+#  2. what the browser tests need outside Python: Chromium and Node.js/npm (through
+#     apt-get on Debian or Ubuntu as root; elsewhere one sentence says what to install),
+#     and the local copies of the CDN files the pages load (npm ci in tests/browser);
+#  3. the HTML book in _build/html, from the notebooks' committed outputs, warnings as
+#     errors. The tests re-execute every notebook and compare those outputs (nbval).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
 
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -10,7 +18,16 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -r requirements.txt
-.venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+# requirements.txt pins the dependencies of the library, of its book and test extras and
+# of the book's toolchain; --no-deps keeps pip from resolving them again.
+.venv/bin/python -m pip install --quiet --no-deps -e .
 
+source scripts/system_deps.sh
+install_system_deps
+if command -v npm >/dev/null 2>&1; then
+  npm ci --prefix tests/browser --no-audit --no-fund --loglevel=error
+fi
+
+rm -rf _build/html
 .venv/bin/jupyter-book build . -W -n --keep-going
-echo "The book is in _build/html/index.html"
+echo "The book is in _build/html/index.html (set-up and build: $((SECONDS - start)) s)"
