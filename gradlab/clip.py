@@ -1,9 +1,11 @@
-r"""Clip or ignore: the four gradient-control functions and the total-norm helper.
+r"""Clip or ignore: the gradient-control functions and the total-norm helper.
 
-``clip_grad_norm_`` and ``clip_grad_value_`` reproduce :mod:`torch.nn.utils`;
-``grad_ignore_norm_`` and ``grad_ignore_value_`` zero the *whole* gradient instead
-of rescaling it when it is too large or not finite, so that a bad batch contributes
-nothing to the update.
+``clip_grad_norm_``, ``clip_grads_with_norm_`` and ``clip_grad_value_`` reproduce
+:mod:`torch.nn.utils`; ``grad_ignore_norm_``, ``grad_ignore_with_norm_`` and
+``grad_ignore_value_`` zero the *whole* gradient instead of rescaling it when it is too
+large or not finite, so that a bad batch contributes nothing to the update. Zeroing is
+not skipping: a zero gradient still moves the parameters through momentum and weight
+decay; :class:`gradlab.StepGuard` skips the optimizer step itself.
 
 Every function
 
@@ -13,13 +15,21 @@ Every function
   the device supports them;
 * never reads a tensor's value on the host (no device-to-host synchronisation),
   except for the check that ``error_if_nonfinite=True`` asks for;
-* validates its arguments before touching any gradient.
+* validates its arguments before touching any gradient;
+* compiles with ``torch.compile(fullgraph=True)`` (without ``error_if_nonfinite``).
+
+Where the results are torch's: float32 and float64 gradients give torch's bits, for
+``norm_type`` up to 4. float16 and bfloat16 gradients are reduced in float32 (torch
+reduces them in their own dtype), so the bits differ, and the result is better:
+torch's float16 norm is inf above 65504 and its clipping then zeroes every gradient.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import types
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -33,18 +43,31 @@ from torch.utils._foreach_utils import (
 __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
+    "clip_grads_with_norm_",
     "get_total_norm",
     "grad_ignore_norm_",
     "grad_ignore_value_",
+    "grad_ignore_with_norm_",
 ]
 
 TensorOrTensors = Tensor | Iterable[Tensor]
+Threshold = float | Tensor
+Groups = list[tuple[torch.device, torch.dtype, list[Tensor]]]
 
 #: Added to the total norm before dividing, exactly as ``torch.nn.utils`` does, so
 #: that a zero gradient gives a finite coefficient instead of ``max_norm / 0``.
 EPS = 1e-6
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+#: Above this p, |g|^p leaves the float32 range for gradients of ordinary size
+#: (p = 8: every entry below 3e-6 contributes 0), so the norm is taken as
+#: m * ||g / m||_p with m = max |g|. Up to it, torch's kernels are used unchanged.
+_SCALE_ABOVE_P = 4.0
+
+
+def _scaled(p: float) -> bool:
+    return _SCALE_ABOVE_P < p < math.inf
 
 
 # --------------------------------------------------------------------------- checks
@@ -54,9 +77,24 @@ def _check_threshold(name: str, value: object) -> float:
     """Return ``value`` as a float, or raise ValueError naming the argument."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if math.isnan(value) or value < 0:
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float: {value!r}") from None
+    if not value >= 0:  # NaN fails it too; one comparison, which compile can guard on
         raise ValueError(f"{name} must be a non-negative number (inf allowed), got {value!r}")
+    return value
+
+
+def _check_threshold_or_tensor(name: str, value: object) -> Threshold:
+    """A number (checked as by _check_threshold) or a 0-dim real tensor (left on the device)."""
+    if not isinstance(value, Tensor):
+        return _check_threshold(name, value)
+    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+        raise ValueError(
+            f"{name} given as a tensor must be a 0-dim real tensor, "
+            f"got shape {tuple(value.shape)} and dtype {value.dtype}"
+        )
     return value
 
 
@@ -71,9 +109,22 @@ def _check_norm_type(norm_type: object) -> float:
             f"norm_type must be a positive number or 'inf', got {type(norm_type).__name__}"
         )
     p = float(norm_type)
-    if math.isnan(p) or p <= 0:
+    if not p > 0:  # NaN fails it too
         raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}")
     return p
+
+
+def _check_total_norm(total_norm: object) -> Tensor:
+    if not (
+        isinstance(total_norm, Tensor)
+        and total_norm.dim() == 0
+        and total_norm.dtype.is_floating_point
+    ):
+        raise ValueError(
+            "total_norm must be a 0-dim floating-point tensor, such as get_total_norm returns, "
+            f"got {total_norm!r}"
+        )
+    return total_norm
 
 
 def _check_flag(name: str, value: object) -> None:
@@ -104,16 +155,26 @@ def _as_tensor_list(tensors: TensorOrTensors, name: str) -> list[Tensor]:
     return items
 
 
-def _grads_of(parameters: TensorOrTensors) -> list[Tensor]:
-    """The gradients of ``parameters`` that exist, in order."""
+def _grads_of(parameters: TensorOrTensors, action: str | None = None) -> list[Tensor]:
+    """The gradients of ``parameters`` that exist, in order.
+
+    With ``action``, warn as torch does when ``parameters`` is an empty generator: most
+    likely one already consumed, so that the call silently does nothing.
+    """
     params = _as_tensor_list(parameters, "parameters")
-    return [g for p in params if (g := p.grad) is not None]
+    if action and not params and isinstance(parameters, types.GeneratorType):
+        warnings.warn(
+            f"`parameters` is an empty generator, no gradient {action} will occur.",
+            stacklevel=3,
+        )
+    # No assignment expression here: dynamo cannot trace one inside a comprehension.
+    return [p.grad for p in params if p.grad is not None]
 
 
 # ------------------------------------------------------------------- device groups
 
 
-def _groups(tensors: list[Tensor]) -> list[tuple[torch.device, torch.dtype, list[Tensor]]]:
+def _groups(tensors: list[Tensor]) -> Groups:
     """Split ``tensors`` into (device, dtype, tensors) groups, keeping every tensor once."""
     if not tensors:  # torch's grouping helper rejects an empty list
         return []
@@ -135,9 +196,32 @@ def _use_foreach(tensors: list[Tensor], device: torch.device, foreach: bool | No
     return foreach
 
 
+def _real(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a norm of ``dtype`` entries: complex128 -> float64, as in torch."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
 def _accumulation_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """float64 if any input is float64, else float32: never accumulate in 16 bits."""
-    return torch.float64 if torch.float64 in set(dtypes) else torch.float32
+    """float64 if any input is (complex) float64, else float32: never 16 bits."""
+    return torch.float64 if torch.float64 in {_real(d) for d in dtypes} else torch.float32
+
+
+def _like(threshold: Threshold, ref: Tensor) -> Threshold:
+    """A tensor threshold moved to ``ref``'s device and dtype; a float as it is."""
+    if isinstance(threshold, Tensor):
+        return threshold.to(device=ref.device, dtype=ref.dtype)
+    return threshold
+
+
+def _ratio(max_norm: Threshold, total_norm: Tensor) -> Tensor:
+    """``max_norm / (total_norm + EPS)``, with the bits torch gets.
+
+    torch computes it as ``float / tensor``, which is ``reciprocal(tensor) * float``,
+    after ``float(max_norm)`` (which reads a tensor ``max_norm`` on the host). The same
+    two steps, with a tensor rounded to the norm's dtype as that float would be, give
+    the same bits without the read.
+    """
+    return torch.reciprocal(total_norm + EPS) * _like(max_norm, total_norm)
 
 
 # ---------------------------------------------------------------------- total norm
@@ -171,59 +255,105 @@ def _max_abs_on_cpu(group: list[Tensor], use_foreach: bool, dtype: torch.dtype) 
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _total_norm(
-    tensors: list[Tensor],
-    p: float,
-    foreach: bool | None,
-    groups: list[tuple[torch.device, torch.dtype, list[Tensor]]] | None = None,
+def _scaled_norm(x: Tensor, p: float, dtype: torch.dtype | None = None) -> Tensor:
+    r"""``‖x‖_p`` as :math:`m\,\|x/m\|_p` with :math:`m = \max|x|`, on the device.
+
+    Every |x/m| is at most 1, so its p-th power cannot overflow, and the largest is
+    1, so the sum cannot underflow to 0. A zero ``m`` divides by 1 instead; an
+    infinite or NaN ``m`` is the norm itself (``inf / inf`` would make NaN).
+    """
+    peak = torch.linalg.vector_norm(x, math.inf, dtype=dtype)
+    finite = torch.isfinite(peak)
+    scale = torch.where(finite & (peak > 0), peak, torch.ones_like(peak))
+    norm = torch.linalg.vector_norm(x / scale, p, dtype=dtype) * scale
+    return torch.where(finite, norm, peak)
+
+
+def _group_norms(
+    group: list[Tensor], device: torch.device, dtype: torch.dtype, p: float, foreach: bool | None
 ) -> Tensor:
+    """The p-norm of each tensor of one (device, dtype) group, as a 1-D tensor."""
+    # float32/float64 keep torch's exact kernel call; 16-bit inputs are reduced in
+    # float32, where a norm of a few hundred large entries cannot overflow.
+    norm_dtype = torch.float32 if dtype in _LOW_PRECISION else None
+    use_foreach = _use_foreach(group, device, foreach)
+    if p == math.inf and device.type == "cpu" and dtype.is_floating_point:
+        return _max_abs_on_cpu(group, use_foreach, norm_dtype or dtype)
+    if _scaled(p):
+        return torch.stack([_scaled_norm(g, p, norm_dtype) for g in group])
+    if use_foreach:
+        return torch.stack(torch._foreach_norm(group, p, dtype=norm_dtype))
+    return torch.stack([torch.linalg.vector_norm(g, p, dtype=norm_dtype) for g in group])
+
+
+def _total_norm(tensors: list[Tensor], p: float, foreach: bool | None, groups: Groups) -> Tensor:
     r"""The p-norm of ``tensors`` viewed as one vector (no argument checks).
 
     Uses :math:`\|g\|_p = \bigl\|(\|g_1\|_p, \dots, \|g_k\|_p)\bigr\|_p`: the norm of
-    the per-tensor norms, so no concatenated copy is ever made. ``groups`` may pass
-    in ``_groups(tensors)`` when the caller needs them again afterwards. The vector
-    of per-tensor norms is the one torch builds (same values, same order), so the
-    result is bit-for-bit torch's wherever torch computes the same per-tensor norms.
+    the per-tensor norms, so no concatenated copy is ever made. ``groups`` is
+    ``_groups(tensors)``. Up to p = 4 the vector of per-tensor norms is the one torch
+    builds (same values; the same order, or any order for a max), so the result is
+    bit-for-bit torch's wherever torch computes the same per-tensor norms.
     """
     if not tensors:
         return torch.tensor(0.0)
     first_device = tensors[0].device
-    if groups is None:
-        groups = _groups(tensors)
     acc_dtype = _accumulation_dtype(dtype for _, dtype, _ in groups)
     pieces: list[Tensor] = []  # one 1-D tensor of per-tensor norms per group
     for device, dtype, group in groups:
-        if p == math.inf:
-            # The max over no entries is 0 (every norm is >= 0), but torch's kernels
-            # refuse to reduce an empty tensor with max: leave empty ones out.
+        if p == math.inf or _scaled(p):
+            # Both take a max, which torch's kernels refuse over an empty tensor. Its
+            # norm is 0 and changes no total (every norm is >= 0): leave it out.
             group = [g for g in group if g.numel() > 0]
             if not group:
                 continue
-        # float32/float64 keep torch's exact kernel call; 16-bit inputs are reduced
-        # in float32, where a norm of a few hundred large entries cannot overflow.
-        norm_dtype = torch.float32 if dtype in _LOW_PRECISION else None
-        use_foreach = _use_foreach(group, device, foreach)
-        if p == math.inf and device.type == "cpu" and dtype.is_floating_point:
-            piece = _max_abs_on_cpu(group, use_foreach, norm_dtype or dtype)
-        elif use_foreach:
-            piece = torch.stack(torch._foreach_norm(group, p, dtype=norm_dtype))
-        else:
-            piece = torch.stack([torch.linalg.vector_norm(g, p, dtype=norm_dtype) for g in group])
+        piece = _group_norms(group, device, dtype, p, foreach)
         # One .to() per group (a no-op when nothing changes), not one per tensor.
         pieces.append(piece.to(device=first_device, dtype=acc_dtype))
-    if not pieces:  # only empty tensors and the inf-norm
+    if not pieces:  # only empty tensors, and the inf-norm or a large p
         return torch.zeros((), dtype=acc_dtype, device=first_device)
     per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if _scaled(p):
+        return _scaled_norm(per_tensor, p)
     return torch.linalg.vector_norm(per_tensor, p)
 
 
-def _raise_if_nonfinite(total_norm: Tensor, p: float) -> None:
+def _raise_if_nonfinite(total_norm: Tensor, p: float, advice: str) -> None:
     value = total_norm.item()  # the one host read the caller asked for
     if not math.isfinite(value):
+        # torch's wording, so that code matching torch's message keeps working.
         raise RuntimeError(
-            f"The total norm of order {p} of the gradients is non-finite ({value}). "
-            "Pass error_if_nonfinite=False to clip or ignore it anyway."
+            f"The total norm of order {p} for gradients from `parameters` is non-finite, {advice}"
         )
+
+
+_CLIP_ADVICE = (
+    "so it cannot be clipped. To disable this error and scale the gradients by the "
+    "non-finite norm anyway, set `error_if_nonfinite=False`"
+)
+_IGNORE_ADVICE = (
+    "so the gradients would be zeroed. To disable this error and zero them, "
+    "set `error_if_nonfinite=False`"
+)
+
+
+def _norm_of_grads(
+    tensors: list[Tensor],
+    norm_type: object,
+    error_if_nonfinite: object,
+    foreach: object,
+    advice: str,
+) -> tuple[Groups, Tensor]:
+    """Check the arguments, then (groups of ``tensors``, their total norm)."""
+    p = _check_norm_type(norm_type)
+    _check_flag("error_if_nonfinite", error_if_nonfinite)
+    _check_foreach(foreach)
+    groups = _groups(tensors)
+    with torch.no_grad():
+        total = _total_norm(tensors, p, foreach, groups)
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, p, advice)
+    return groups, total
 
 
 def get_total_norm(
@@ -232,47 +362,103 @@ def get_total_norm(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> Tensor:
-    r"""The p-norm of a collection of tensors viewed as one concatenated vector.
+    r"""Compute the p-norm of a collection of tensors viewed as one concatenated vector.
 
     .. math::
         \|g\|_p = \Bigl(\sum_i \sum_j |g_{ij}|^p\Bigr)^{1/p}
                = \bigl\|(\|g_1\|_p, \ldots, \|g_k\|_p)\bigr\|_p,
         \qquad \|g\|_\infty = \max_{i,j} |g_{ij}|.
 
+    For ``norm_type`` above 4 each norm is taken as :math:`m\,\|g/m\|_p` with
+    :math:`m = \max|g|`, so that :math:`|g|^p` neither underflows to 0 nor overflows
+    (an extra pass and a temporary copy per tensor); up to 4 the result is torch's.
+
     Args:
-        tensors: a tensor or an iterable of tensors (these are the values whose norm
-            is taken, typically gradients, not parameters).
-        norm_type: p, a positive number, or ``math.inf`` / ``'inf'`` for the max-norm.
-        error_if_nonfinite: raise RuntimeError if the norm is NaN or infinite.
-        foreach: ``None`` picks the foreach kernels where the device supports them;
-            ``True`` demands them (RuntimeError where unsupported); ``False`` loops.
+        tensors (Tensor or Iterable[Tensor]): the values whose norm is taken (typically
+            gradients, not parameters).
+        norm_type (float or str): p, a positive number, or ``math.inf`` / ``'inf'``.
+            Default: 2.0
+        error_if_nonfinite (bool): raise RuntimeError, with torch's message, if the norm
+            is NaN or infinite. Default: False
+        foreach (bool, optional): ``None`` picks the foreach kernels where the device
+            supports them; ``True`` demands them (RuntimeError where unsupported);
+            ``False`` loops. Default: None
 
     Returns:
-        A 0-dim tensor on the first tensor's device: the total norm, in float32
-        (float64 if any input is float64), so float16 and bfloat16 inputs do not
-        overflow. ``tensor(0.)`` when there are no tensors.
+        Tensor: the total norm, 0-dim, on the first tensor's device. Its dtype is the
+        real dtype of the inputs (complex128 gives float64), float32 for float16 and
+        bfloat16 inputs, float64 if any input is float64. ``tensor(0.)`` for no tensors.
 
     Raises:
         ValueError: ``norm_type`` is not a positive number or inf.
         RuntimeError: ``error_if_nonfinite`` is set and the norm is not finite.
+
+    .. note::
+        No host read, except ``error_if_nonfinite=True``, which reads the norm.
     """
-    p = _check_norm_type(norm_type)
-    _check_flag("error_if_nonfinite", error_if_nonfinite)
-    _check_foreach(foreach)
     tensors = _as_tensor_list(tensors, "tensors")
-    with torch.no_grad():
-        total = _total_norm(tensors, p, foreach)
-    if error_if_nonfinite:
-        _raise_if_nonfinite(total, p)
+    _, total = _norm_of_grads(tensors, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE)
     return total
 
 
 # ------------------------------------------------------------------------ clipping
 
 
+def _clip_(groups: Groups, max_norm: Threshold, total_norm: Tensor, foreach: bool | None) -> None:
+    # The clamped coefficient is always multiplied, never branched on: an `if coef < 1`
+    # would read it on the host.
+    coef = torch.clamp(_ratio(max_norm, total_norm), max=1.0)
+    for device, _, group in groups:
+        coef_here = coef.to(device)
+        if _use_foreach(group, device, foreach):
+            torch._foreach_mul_(group, coef_here)
+        else:
+            for g in group:
+                g.mul_(coef_here)
+
+
+def clip_grads_with_norm_(
+    parameters: TensorOrTensors,
+    max_norm: float | Tensor,
+    total_norm: Tensor,
+    foreach: bool | None = None,
+) -> None:
+    r"""Rescale all gradients, given their total norm, so that it is at most ``max_norm``.
+
+    .. math::
+        g \leftarrow g \cdot \min\Bigl(1, \frac{\text{max\_norm}}{s + 10^{-6}}\Bigr),
+        \qquad s = \text{total\_norm}
+
+    The second phase of :func:`clip_grad_norm_`, as in
+    :func:`torch.nn.utils.clip_grads_with_norm_`: pass a norm computed elsewhere, for
+    example a :func:`get_total_norm` all-reduced across the ranks of sharded training.
+    To zero the gradients instead, see :func:`grad_ignore_with_norm_`.
+
+    Args:
+        parameters (Tensor or Iterable[Tensor]): tensors whose ``.grad`` is rescaled in
+            place; tensors without a gradient are skipped.
+        max_norm (float or Tensor): the largest total norm allowed, a non-negative
+            number, or a 0-dim tensor, used on the device as it is (unchecked).
+        total_norm (Tensor): the 0-dim total norm of the gradients.
+        foreach (bool, optional): see :func:`get_total_norm`. Default: None
+
+    Returns:
+        None
+
+    .. note::
+        No host read.
+    """
+    max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+    total_norm = _check_total_norm(total_norm)
+    _check_foreach(foreach)
+    grads = _grads_of(parameters)
+    with torch.no_grad():
+        _clip_(_groups(grads), max_norm, total_norm, foreach)
+
+
 def clip_grad_norm_(
     parameters: TensorOrTensors,
-    max_norm: float,
+    max_norm: float | Tensor,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -283,50 +469,61 @@ def clip_grad_norm_(
         c = \min\Bigl(1, \frac{\text{max\_norm}}{\|g\|_p + 10^{-6}}\Bigr),
         \qquad g \leftarrow c\, g .
 
-    The direction of the whole gradient is kept. The coefficient is clamped and always
-    multiplied, never branched on, so the decision stays on the device. Same
-    gradients and return value as :func:`torch.nn.utils.clip_grad_norm_` (16-bit
-    gradients get a float32 norm). A non-finite norm wrecks the gradient: a NaN norm
-    makes every entry NaN, and an infinite one gives ``max_norm / inf = 0``, which
-    zeroes the finite entries and turns the infinite ones into NaN (``inf * 0``); use
-    :func:`grad_ignore_norm_`, or ``error_if_nonfinite=True``, to guard against that.
+    The direction of the whole gradient is kept. Equivalent to :func:`get_total_norm`
+    followed by :func:`clip_grads_with_norm_`, like
+    :func:`torch.nn.utils.clip_grad_norm_`, with torch's bits for float32 and float64
+    gradients (``norm_type`` up to 4). float16 and bfloat16 gradients get a float32
+    norm: where torch's float16 norm overflows to inf (above 65504) and torch zeroes
+    every gradient, this clips to the true norm.
+
+    A non-finite norm wrecks the gradient, as in torch: a NaN norm makes every entry
+    NaN, and an infinite one gives ``max_norm / inf = 0``, which zeroes the finite
+    entries and turns the infinite ones into NaN (``inf * 0``). Use
+    :func:`grad_ignore_norm_` (zero the gradients) or :class:`gradlab.StepGuard`
+    (skip the step), or ``error_if_nonfinite=True``, to guard against that.
 
     Args:
-        parameters: a tensor or an iterable of tensors whose ``.grad`` is rescaled
-            in place; tensors without a gradient are skipped.
-        max_norm: the largest total norm allowed, a non-negative number.
-        norm_type: p, a positive number, or ``math.inf`` / ``'inf'``.
-        error_if_nonfinite: raise RuntimeError, before any gradient changes, if the
-            total norm is NaN or infinite.
-        foreach: see :func:`get_total_norm`.
+        parameters (Tensor or Iterable[Tensor]): tensors whose ``.grad`` is rescaled in
+            place; tensors without a gradient are skipped. An empty generator warns.
+        max_norm (float or Tensor): the largest total norm allowed, a non-negative
+            number, or a 0-dim tensor, used on the device as it is (unchecked).
+        norm_type (float or str): p, a positive number, or ``math.inf`` / ``'inf'``.
+            Default: 2.0
+        error_if_nonfinite (bool): raise RuntimeError, before any gradient changes, if
+            the total norm is NaN or infinite. Default: False
+        foreach (bool, optional): see :func:`get_total_norm`. Default: None
 
     Returns:
-        The total norm of the gradients *before* clipping, a 0-dim tensor.
+        Tensor: the total norm of the gradients *before* clipping, 0-dim.
+
+    .. note::
+        No host read, except ``error_if_nonfinite=True``, which reads the norm.
     """
-    max_norm = _check_threshold("max_norm", max_norm)
-    p = _check_norm_type(norm_type)
-    _check_flag("error_if_nonfinite", error_if_nonfinite)
-    _check_foreach(foreach)
-    grads = _grads_of(parameters)
+    max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+    grads = _grads_of(parameters, "clipping")
+    groups, total = _norm_of_grads(grads, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE)
     with torch.no_grad():
-        groups = _groups(grads)
-        total = _total_norm(grads, p, foreach, groups)
-        if error_if_nonfinite:
-            _raise_if_nonfinite(total, p)
-        coef = torch.clamp(max_norm / (total + EPS), max=1.0)
-        for device, _, group in groups:
-            coef_here = coef.to(device)
-            if _use_foreach(group, device, foreach):
-                torch._foreach_mul_(group, coef_here)
-            else:
-                for g in group:
-                    g.mul_(coef_here)
+        _clip_(groups, max_norm, total, foreach)
     return total
+
+
+def _clamp_bound(clip_value: Threshold, device: torch.device, dtype: torch.dtype) -> Threshold:
+    """``clip_value`` as the clamps of one group take it: a number, or a 0-dim tensor.
+
+    torch's clamps refuse a number outside the range of the gradients' dtype (65504 for
+    float16); a float64 tensor is rounded to that dtype instead, which gives the same
+    result as clamping exactly and rounding afterwards.
+    """
+    if isinstance(clip_value, Tensor):
+        return clip_value.to(device)
+    if dtype.is_floating_point and clip_value > torch.finfo(dtype).max:
+        return torch.tensor(clip_value, dtype=torch.float64, device=device)
+    return clip_value
 
 
 def clip_grad_value_(
     parameters: TensorOrTensors,
-    clip_value: float,
+    clip_value: float | Tensor,
     foreach: bool | None = None,
 ) -> None:
     r"""Clamp every gradient entry into ``[-clip_value, clip_value]``.
@@ -335,29 +532,38 @@ def clip_grad_value_(
         g_{ij} \leftarrow \min\bigl(\max(g_{ij}, -\text{clip\_value}), \text{clip\_value}\bigr)
 
     Each entry is clamped on its own, so the direction of the gradient generally
-    changes. Same gradients as :func:`torch.nn.utils.clip_grad_value_` (a NaN entry
-    stays NaN).
+    changes. Same gradients as :func:`torch.nn.utils.clip_grad_value_`, in every dtype
+    (a NaN entry stays NaN); a ``clip_value`` beyond the range of the gradients' dtype
+    (above 65504 for float16), which torch refuses, clamps as if exactly and rounds.
+    To zero the gradients instead, see :func:`grad_ignore_value_`.
 
     Args:
-        parameters: a tensor or an iterable of tensors whose ``.grad`` is clamped in
+        parameters (Tensor or Iterable[Tensor]): tensors whose ``.grad`` is clamped in
             place; tensors without a gradient are skipped.
-        clip_value: the largest absolute value allowed, a non-negative number.
-        foreach: see :func:`get_total_norm`.
+        clip_value (float or Tensor): the largest absolute value allowed, a non-negative
+            number, or a 0-dim tensor, used on the device as it is (unchecked).
+        foreach (bool, optional): see :func:`get_total_norm`. Default: None
 
     Returns:
         None. (It does not return a norm, whatever some tutorials say.)
+
+    .. note::
+        No host read.
     """
-    clip_value = _check_threshold("clip_value", clip_value)
+    clip_value = _check_threshold_or_tensor("clip_value", clip_value)
     _check_foreach(foreach)
     grads = _grads_of(parameters)
     with torch.no_grad():
-        for device, _, group in _groups(grads):
+        for device, dtype, group in _groups(grads):
+            bound = _clamp_bound(clip_value, device, dtype)
             if _use_foreach(group, device, foreach):
-                torch._foreach_clamp_min_(group, -clip_value)
-                torch._foreach_clamp_max_(group, clip_value)
+                # The foreach clamps take a number, or one tensor per gradient.
+                many = isinstance(bound, Tensor)
+                torch._foreach_clamp_min_(group, [-bound] * len(group) if many else -bound)
+                torch._foreach_clamp_max_(group, [bound] * len(group) if many else bound)
             else:
                 for g in group:
-                    g.clamp_(min=-clip_value, max=clip_value)
+                    g.clamp_(min=-bound, max=bound)
 
 
 # ------------------------------------------------------------------------ ignoring
@@ -367,11 +573,7 @@ def clip_grad_value_(
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _zero_unless(
-    groups: list[tuple[torch.device, torch.dtype, list[Tensor]]],
-    keep: Tensor,
-    foreach: bool | None,
-) -> None:
+def _zero_unless(groups: Groups, keep: Tensor, foreach: bool | None) -> None:
     """Zero every gradient unless the 0-dim boolean ``keep`` is true, on the device.
 
     This must be a select, not a float multiplication: ``NaN * 0`` is NaN, so
@@ -400,9 +602,56 @@ def _zero_unless(
                 b.mul_(factor)
 
 
+def _keep_by_norm(max_norm: Threshold, total_norm: Tensor) -> Tensor:
+    # The rule of clip_grad_norm_: kept exactly when clipping would not rescale. Written
+    # as a >= so that a NaN norm fails it, and an infinite one gives 0 >= 1, false.
+    return _ratio(max_norm, total_norm) >= 1.0
+
+
+def grad_ignore_with_norm_(
+    parameters: TensorOrTensors,
+    max_norm: float | Tensor,
+    total_norm: Tensor,
+    foreach: bool | None = None,
+) -> None:
+    r"""Zero *every* gradient, given their total norm, when it is too large or not finite.
+
+    .. math::
+        \text{keep} \iff \frac{\text{max\_norm}}{\text{total\_norm} + 10^{-6}} \ge 1,
+        \qquad g \leftarrow \begin{cases} g & \text{keep} \\ 0 & \text{otherwise.} \end{cases}
+
+    The second phase of :func:`grad_ignore_norm_`, the counterpart of
+    :func:`clip_grads_with_norm_`: pass a norm computed elsewhere, for example a
+    :func:`get_total_norm` all-reduced across the ranks of sharded training, so that
+    every rank makes the same decision. Zeroing is not skipping: to leave the
+    parameters and the optimizer state untouched, use
+    :class:`gradlab.StepGuard` with ``mode="skip"``.
+
+    Args:
+        parameters (Tensor or Iterable[Tensor]): tensors whose ``.grad`` may be zeroed in
+            place; tensors without a gradient are skipped.
+        max_norm (float or Tensor): the largest total norm kept, a non-negative number,
+            or a 0-dim tensor, used on the device as it is (unchecked).
+        total_norm (Tensor): the 0-dim total norm of the gradients.
+        foreach (bool, optional): see :func:`get_total_norm`. Default: None
+
+    Returns:
+        None
+
+    .. note::
+        No host read.
+    """
+    max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+    total_norm = _check_total_norm(total_norm)
+    _check_foreach(foreach)
+    grads = _grads_of(parameters)
+    with torch.no_grad():
+        _zero_unless(_groups(grads), _keep_by_norm(max_norm, total_norm), foreach)
+
+
 def grad_ignore_norm_(
     parameters: TensorOrTensors,
-    max_norm: float,
+    max_norm: float | Tensor,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -413,42 +662,44 @@ def grad_ignore_norm_(
         \text{keep} \iff \frac{\text{max\_norm}}{\|g\|_p + 10^{-6}} \ge 1,
         \qquad g \leftarrow \begin{cases} g & \text{keep} \\ 0 & \text{otherwise.} \end{cases}
 
-    The comparison is written so that a NaN norm fails it (every comparison with NaN
-    is false), and an infinite norm gives ``max_norm / inf = 0 < 1``: both are ignored
-    and leave zeros, never NaN. Kept gradients are untouched bit for bit. The test
-    matches :func:`clip_grad_norm_`: a gradient is ignored exactly when clipping
-    would have rescaled it.
+    Equivalent to :func:`get_total_norm` followed by :func:`grad_ignore_with_norm_`.
+    A NaN norm fails the comparison (every comparison with NaN is false), and an
+    infinite norm gives ``max_norm / inf = 0 < 1``: both are ignored and leave zeros,
+    never NaN. Kept gradients are untouched bit for bit. The test matches
+    :func:`clip_grad_norm_`: a gradient is ignored exactly when clipping would have
+    rescaled it. Zeroing is not skipping: a zero gradient still moves the parameters
+    through momentum and weight decay; :class:`gradlab.StepGuard` with
+    ``mode="skip"`` skips the step instead.
 
     Args:
-        parameters: a tensor or an iterable of tensors whose ``.grad`` may be zeroed
-            in place; tensors without a gradient are skipped.
-        max_norm: the largest total norm kept, a non-negative number.
-        norm_type: p, a positive number, or ``math.inf`` / ``'inf'``.
-        error_if_nonfinite: raise RuntimeError, before any gradient changes, if the
-            total norm is NaN or infinite.
-        foreach: see :func:`get_total_norm` (used for the norm and the zeroing).
+        parameters (Tensor or Iterable[Tensor]): tensors whose ``.grad`` may be zeroed in
+            place; tensors without a gradient are skipped. An empty generator warns.
+        max_norm (float or Tensor): the largest total norm kept, a non-negative number,
+            or a 0-dim tensor, used on the device as it is (unchecked).
+        norm_type (float or str): p, a positive number, or ``math.inf`` / ``'inf'``.
+            Default: 2.0
+        error_if_nonfinite (bool): raise RuntimeError, before any gradient changes, if
+            the total norm is NaN or infinite. Default: False
+        foreach (bool, optional): see :func:`get_total_norm` (used for the norm and the
+            zeroing). Default: None
 
     Returns:
-        The total norm of the gradients before the decision, a 0-dim tensor.
+        Tensor: the total norm of the gradients before the decision, 0-dim.
+
+    .. note::
+        No host read, except ``error_if_nonfinite=True``, which reads the norm.
     """
-    max_norm = _check_threshold("max_norm", max_norm)
-    p = _check_norm_type(norm_type)
-    _check_flag("error_if_nonfinite", error_if_nonfinite)
-    _check_foreach(foreach)
-    grads = _grads_of(parameters)
+    max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+    grads = _grads_of(parameters, "ignoring")
+    groups, total = _norm_of_grads(grads, norm_type, error_if_nonfinite, foreach, _IGNORE_ADVICE)
     with torch.no_grad():
-        groups = _groups(grads)
-        total = _total_norm(grads, p, foreach, groups)
-        if error_if_nonfinite:
-            _raise_if_nonfinite(total, p)
-        keep = max_norm / (total + EPS) >= 1.0
-        _zero_unless(groups, keep, foreach)
+        _zero_unless(groups, _keep_by_norm(max_norm, total), foreach)
     return total
 
 
 def grad_ignore_value_(
     parameters: TensorOrTensors,
-    clip_value: float,
+    clip_value: float | Tensor,
     foreach: bool | None = None,
 ) -> Tensor:
     r"""Zero *every* gradient when any single entry reaches ``clip_value``.
@@ -459,24 +710,32 @@ def grad_ignore_value_(
 
     A NaN entry makes ``m`` NaN and an infinite one makes it inf; ``m < clip_value``
     is false for both, so they are ignored. The comparison is made in float64, so the
-    threshold is not rounded to the gradients' precision first.
+    threshold is not rounded to the gradients' precision first. Zeroing is not
+    skipping; see :func:`grad_ignore_norm_`. To clamp instead, see
+    :func:`clip_grad_value_`.
 
     Args:
-        parameters: a tensor or an iterable of tensors whose ``.grad`` may be zeroed
-            in place; tensors without a gradient are skipped.
-        clip_value: the smallest absolute entry that triggers the ignore.
-        foreach: see :func:`get_total_norm` (used for the maximum and the zeroing).
+        parameters (Tensor or Iterable[Tensor]): tensors whose ``.grad`` may be zeroed in
+            place; tensors without a gradient are skipped. An empty generator warns.
+        clip_value (float or Tensor): the smallest absolute entry that triggers the
+            ignore, a non-negative number, or a 0-dim tensor, used on the device as it
+            is (unchecked).
+        foreach (bool, optional): see :func:`get_total_norm` (used for the maximum and the
+            zeroing). Default: None
 
     Returns:
-        The largest absolute gradient entry before the decision, a 0-dim tensor
+        Tensor: the largest absolute gradient entry before the decision, 0-dim
         (``tensor(0.)`` when there are no gradients).
+
+    .. note::
+        No host read.
     """
-    clip_value = _check_threshold("clip_value", clip_value)
+    clip_value = _check_threshold_or_tensor("clip_value", clip_value)
     _check_foreach(foreach)
-    grads = _grads_of(parameters)
+    grads = _grads_of(parameters, "ignoring")
+    groups = _groups(grads)
     with torch.no_grad():
-        groups = _groups(grads)
         largest = _total_norm(grads, math.inf, foreach, groups)
-        keep = largest.to(torch.float64) < clip_value
-        _zero_unless(groups, keep, foreach)
+        wide = largest.to(torch.float64)
+        _zero_unless(groups, wide < _like(clip_value, wide), foreach)
     return largest

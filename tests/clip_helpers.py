@@ -6,13 +6,11 @@ concatenated entries, a max of absolute values), never gradlab itself.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -110,74 +108,6 @@ def math_max_abs(tensors: Sequence[torch.Tensor]) -> float:
 
 def as_p(norm_type: float | str) -> float:
     return math.inf if norm_type == "inf" else float(norm_type)
-
-
-# ------------------------------------------------------------------ no host sync
-
-
-class HostSyncError(AssertionError):
-    """Raised when code reads a tensor's value on the host."""
-
-
-#: Operators that hand a tensor's value to the host, or whose output shape depends
-#: on the values (so the host must wait for them).
-_SYNCING = {
-    torch.ops.aten._local_scalar_dense.default,  # .item(), float(t), bool(t), `if t`
-    torch.ops.aten.is_nonzero.default,
-    torch.ops.aten.item.default,
-    torch.ops.aten.equal.default,
-    torch.ops.aten.nonzero.default,
-    torch.ops.aten.masked_select.default,
-    torch.ops.aten._unique2.default,
-    torch.ops.aten.unique_consecutive.default,
-}
-
-
-#: Indexing with a boolean mask (``g[mask]``, ``g[mask] = 0``) turns the mask into
-#: indices on the host first.
-_MASK_INDEXING = {
-    torch.ops.aten.index.Tensor,
-    torch.ops.aten.index_put.default,
-    torch.ops.aten.index_put_.default,
-}
-
-
-def _has_bool_index(args) -> bool:
-    indices = args[1] if len(args) > 1 else ()
-    return any(i is not None and i.dtype == torch.bool for i in indices)
-
-
-class _NoSyncMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _SYNCING or (func in _MASK_INDEXING and _has_bool_index(args)):
-            raise HostSyncError(f"host sync through {func}")
-        return func(*args, **(kwargs or {}))
-
-
-def _refuse(name: str):
-    def method(self, *args, **kwargs):
-        raise HostSyncError(f"host read through Tensor.{name}")
-
-    return method
-
-
-@contextlib.contextmanager
-def no_host_sync() -> Iterator[None]:
-    """Fail with HostSyncError if the body reads any tensor value on the host.
-
-    Catches every operator that produces a Python number from a tensor (``item``,
-    ``bool``, ``float``, a tensor in an ``if``), data-dependent shapes, and the
-    methods that read memory without an operator (``tolist``, ``numpy``).
-    """
-    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "__array__")}
-    try:
-        for name in saved:
-            setattr(torch.Tensor, name, _refuse(name))
-        with _NoSyncMode():
-            yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 # ------------------------------------------------------------------ strategies

@@ -18,10 +18,11 @@ formulas in :mod:`gradlab.clip`; gradlab's own functions are not used as the
 reference, so a check also holds gradlab to its documentation.
 
 The checks of functions that decide something (clip by norm, ignore by norm or by
-value) also watch for reads of tensor values on the host (``.item()``, ``float(t)``,
-``if t > x:``, ``t.tolist()``, ``t.numpy()``): such a read forces the program to
-wait for the accelerator at every step, and the decision can always be made on the
-device instead.
+value) also watch for reads of tensor values on the host, as
+:class:`gradlab.sync.HostReadCounter` defines them (``.item()``, ``if t > x:``,
+``t.tolist()``, ``g[mask] = 0``, ``torch.equal``, printing a tensor, ...), and name
+the one found: such a read forces the program to wait for the accelerator at every
+step, and the decision can always be made on the device instead.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,35 +112,12 @@ def _say(lines: Sequence[str]) -> None:
 # --------------------------------------------------------------- host reads
 
 
-@contextlib.contextmanager
-def _watch_host_reads() -> Iterator[HostReadCounter]:
-    """Count host reads: the dispatch-level ones, and ``tolist``/``numpy``, which
-    bypass the dispatcher and so are wrapped for the duration."""
-    detector = HostReadCounter()
-    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
-
-    def counting(method):
-        def wrapper(self, *args, **kwargs):
-            detector.count += 1
-            return method(self, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, counting(method))
-        with detector:
-            yield detector
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-
-
-_HOST_READ_MESSAGE = (
-    "Your function reads a tensor value on the host, e.g. with .item() or a Python "
-    "`if` on a tensor; make the decision on the device (torch.where, torch.clamp, "
-    "multiplying by a tensor coefficient)."
-)
+def _host_read_message(operation: str) -> str:
+    return (
+        f"Your function reads a tensor value on the host, through {operation}; make the "
+        "decision on the device (torch.where, torch.clamp, multiplying by a tensor "
+        "coefficient)."
+    )
 
 
 # ------------------------------------------------------------ running answers
@@ -583,12 +561,9 @@ def _run_grad_cases(
             f"  call:              {call_text}",
             f"  gradients before:  {_grads_text(case.grads)}",
         ]
+        watcher = HostReadCounter() if watch_host else contextlib.nullcontext()
         try:
-            if watch_host:
-                with _watch_host_reads() as detector:
-                    result = _call(fn, call_text, arg, case.threshold, **kwargs)
-            else:
-                detector = None
+            with watcher as detector:
                 result = _call(fn, call_text, arg, case.threshold, **kwargs)
         except _Raised as raised:
             if raised.lines[0].startswith("Not implemented"):
@@ -647,7 +622,7 @@ def _run_grad_cases(
                 [
                     f"Case {index} of {len(cases)}: {_describe(case)}.",
                     f"  call: {call_text}",
-                    _HOST_READ_MESSAGE,
+                    _host_read_message(detector.operations[0]),
                 ]
             )
             return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,11 +139,58 @@ def test_output_is_deterministic_and_clean(capsys):
     assert "def " not in outs[0] and "return" not in outs[0]
 
 
-def test_host_read_detector_restores_tensor_methods():
+def test_host_read_detector_leaves_tensor_methods_alone():
     tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
     ex.check_grad_ignore_norm(_ignore_norm_item)
     assert torch.Tensor.tolist is tolist and torch.Tensor.numpy is numpy
     assert torch.tensor([1.0]).tolist() == [1.0]
+
+
+def _ignore_norm_mask_assign(parameters, max_norm, norm_type=2.0):
+    # Right values, but a boolean mask becomes indices on the host first.
+    grads = _grads(list(parameters))
+    total = ref_total_norm(grads, norm_type)
+    keep = max_norm / (total + 1e-6) >= 1.0
+    for g in grads:
+        g[(~keep).expand(g.shape)] = 0.0
+    return total
+
+
+def _right_but_reading_through(read):
+    def answer(parameters, max_norm, norm_type=2.0):
+        total = ref_grad_ignore_norm_(list(parameters), max_norm, norm_type)
+        read(total)
+        return total
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "operation"),
+    [
+        (
+            _ignore_norm_mask_assign,
+            "assignment t[...] = ... (aten.index_put_.default with a boolean mask)",
+        ),
+        (_right_but_reading_through(lambda t: t.reshape(1)[t.reshape(1) > 0]), "boolean mask"),
+        (_right_but_reading_through(lambda t: torch.equal(t, t)), "torch.equal"),
+        (_right_but_reading_through(lambda t: torch.allclose(t, t)), "torch.allclose"),
+        (_right_but_reading_through(lambda t: bool(t > 0)), "bool(t)"),
+        (_right_but_reading_through(lambda t: t.tolist()), "Tensor.tolist()"),
+        (_right_but_reading_through(lambda t: t.numpy()), "Tensor.numpy()"),
+        (_right_but_reading_through(np.asarray), "__array__"),
+        (_right_but_reading_through(print), "printing a tensor"),
+        (_right_but_reading_through(lambda t: t.reshape(1).nonzero()), "nonzero"),
+        (_right_but_reading_through(lambda t: torch.unique(t)), "torch.unique"),
+        (_right_but_reading_through(lambda t: t.masked_select(t > 0)), "masked_select"),
+    ],
+)
+def test_an_answer_that_reads_the_host_is_rejected_naming_the_read(answer, operation, capsys):
+    assert ex.check_grad_ignore_norm(answer) is False
+    out = capsys.readouterr().out
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("Your function reads a tensor value on the host, through ")
+    assert operation in verdict
 
 
 # ------------------------------------------------------------ not implemented

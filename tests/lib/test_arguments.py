@@ -86,7 +86,18 @@ def test_nothing_to_do(name, empty):
     arg = {"list": [], "no_grads": nograd, "generator": (p for p in [])}[empty]
     if name == "get_total_norm" and empty == "no_grads":
         arg = []  # get_total_norm takes the gradients themselves
-    result = KEEP[name](arg)
+    # Like torch, an empty generator (probably one used up already) warns; torch's
+    # clip_grad_value_ does not warn, and neither does get_total_norm.
+    if empty == "generator" and name in (
+        "clip_grad_norm_",
+        "grad_ignore_norm_",
+        "grad_ignore_value_",
+    ):
+        with pytest.warns(UserWarning, match="`parameters` is an empty generator") as warned:
+            result = KEEP[name](arg)
+        assert len(warned) == 1 and warned[0].filename == __file__
+    else:
+        result = KEEP[name](arg)
     if name == "clip_grad_value_":
         assert result is None
     else:
@@ -123,7 +134,11 @@ def test_norm_type_spellings(norm_type):
 
 # ------------------------------------------------------------------ bad arguments
 
-BAD_THRESHOLDS = [-1.0, -1e-9, -math.inf, math.nan, "1.0", None, True, torch.tensor(1.0), [1.0]]
+BAD_THRESHOLDS = [
+    *(-1.0, -1e-9, -math.inf, math.nan, "1.0", None, True, [1.0], 10**400),
+    # A tensor threshold must be 0-dim and real (its value stays unchecked on the device).
+    *(torch.ones(1), torch.tensor(True), torch.tensor(1 + 0j)),
+]
 BAD_NORM_TYPES = [0, 0.0, -2, -math.inf, math.nan, "foo", "", True, False, None, [2]]
 BAD_FLAGS = [None, 1, 0, "yes", 1.0]
 BAD_FOREACH = [1, 0, "True", 1.0]
@@ -189,7 +204,9 @@ def test_bad_argument_with_a_generator_changes_nothing():
     assert_grads_unchanged(params, before)
 
 
-@pytest.mark.parametrize("value", [0.0, 0, 1, 2.5, math.inf])
+@pytest.mark.parametrize(
+    "value", [0.0, 0, 1, 2.5, math.inf, torch.tensor(2.5), torch.tensor(3, dtype=torch.int64)]
+)
 def test_good_thresholds_are_accepted(value):
     params = make_params([(3,)], seed=5)
     gradlab.clip_grad_norm_(params, value)

@@ -4,7 +4,7 @@ Two kinds of numbers:
 
 * **counts**, which are exact and the same on every machine: how many ATen operators
   a call dispatches, how many tensors those operators touch, and how many times a
-  value is read back on the host (``aten._local_scalar_dense``), all seen through a
+  value is read back on the host (:func:`gradlab.sync.is_read_op`), all seen through a
   :class:`~torch.utils._python_dispatch.TorchDispatchMode`;
 * **timings**, which depend on the machine: taken with :mod:`gradlab.book.benchmark`
   (median of repeats, after a warm-up, every implementation interleaved with the
@@ -41,7 +41,7 @@ from gradlab.book.benchmark import (
     time_calls,
 )
 from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
-from gradlab.sync import HOST_READ
+from gradlab.sync import is_read_op
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -152,7 +152,7 @@ class _OpCounter(TorchDispatchMode):
                 self.count.tensor_visits += 1
             elif isinstance(arg, list | tuple):
                 self.count.tensor_visits += sum(isinstance(a, torch.Tensor) for a in arg)
-        if func is HOST_READ:
+        if is_read_op(func, args):
             self.count.host_reads += 1
         return func(*args, **kwargs)
 
