@@ -19,6 +19,7 @@ from gradlab.book.benchmark import (
     time_call,
     time_calls,
 )
+from gradlab.sync import HostReadError, no_host_reads
 
 
 def test_make_parameters_sizes_and_seed():
@@ -148,3 +149,11 @@ def test_time_calls_varies_the_order_between_rounds():
     rounds = ["".join(order[i : i + 5]) for i in range(0, 30, 5)]
     assert all(sorted(r) == list("abcde") for r in rounds)
     assert len(set(rounds)) > 1, "no callable always follows the same neighbour"
+
+
+@pytest.mark.parametrize("loop", [loop_ignore_norm_, loop_ignore_value_])
+def test_the_reference_loop_algorithm_syncs(loop):
+    # The per-tensor loop of the reference text branches on a tensor in Python.
+    params = make_parameters(3, 4, seed=0)
+    with pytest.raises(HostReadError), no_host_reads():
+        loop(params, 1.0)

@@ -14,7 +14,6 @@ import torch
 from clip_helpers import make_params
 
 import gradlab
-from gradlab.book.benchmark import loop_ignore_norm_, loop_ignore_value_
 from gradlab.sync import HostReadError, no_host_reads
 
 
@@ -89,10 +88,3 @@ def test_error_if_nonfinite_is_the_one_allowed_sync(name):
     # Checking finiteness on the host is what the flag asks for: it must sync.
     with pytest.raises(HostReadError), no_host_reads():
         CALLS[name](_inputs("clean"), 1e6, error_if_nonfinite=True)
-
-
-@pytest.mark.parametrize("loop", [loop_ignore_norm_, loop_ignore_value_])
-def test_the_reference_loop_algorithm_syncs(loop):
-    # The per-tensor loop of the reference text branches on a tensor in Python.
-    with pytest.raises(HostReadError), no_host_reads():
-        loop(_inputs("clean"), 1.0)
