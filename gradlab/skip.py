@@ -16,54 +16,75 @@ Zeroing the gradients is not skipping. Plug :math:`g_t = 0` into the update rule
 The parameters keep moving on momentum, the moment estimates decay, the step count
 (and with it the bias correction) advances and weight decay still shrinks the
 weights. :class:`StepGuard` instead leaves every parameter and every optimizer-state
-tensor bit for bit as if the batch had never been seen, and does not advance the
-learning-rate scheduler either.
+tensor bit for bit as if the batch had never been seen, fires no optimizer step hook
+and does not advance the learning-rate scheduler either.
 
-Two ways to skip exactly:
+Three ways to skip exactly:
 
 ``sync=True``
-    Read the decision on the host (one device-to-host synchronisation per step, as
-    :class:`torch.amp.GradScaler` does with ``found_inf``) and simply do not call
-    ``optimizer.step()``. Costs one pass over the gradients (two when clipping) and no
-    extra memory.
+    Read the decision on the host (one read per step, as :class:`torch.amp.GradScaler`
+    does with ``found_inf``) and simply do not call ``optimizer.step()``.
 
-``sync=False``
-    Never wait for the device: copy the parameters and the optimizer state, run the
-    step unconditionally, then keep the old or the new value of every tensor with a
-    device-side select, ``torch.where(keep, new, old)`` on a 0-dim mask (done on the
-    bits, see :func:`_select_`). Works for any optimizer, but keeps one extra copy of
-    the parameters and the optimizer state (buffers reused from step to step; for
-    Adam three times the parameter memory) and makes about two extra passes over
-    them (the copy, and the select).
+``sync=False``, fused optimizer
+    Adam, AdamW, SGD and Adagrad with ``fused=True`` skip inside their kernel when
+    their ``found_inf`` flag is set (the protocol :class:`torch.amp.GradScaler` uses):
+    the guard writes its decision into a persistent 0-dim flag, in place. No copy.
+
+``sync=False``, any other optimizer
+    Copy what the step can change, step, then keep the new or the old value of every
+    tensor with a device-side select (:mod:`gradlab._transaction`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import Any
+import numbers
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
+from torch.optim import optimizer as _optim_module
 
-from gradlab.clip import (
-    _SAME_WIDTH_INT,
-    EPS,
-    _check_norm_type,
-    _check_threshold,
-    clip_grad_norm_,
-    clip_grad_value_,
-    get_total_norm,
-)
+from gradlab._transaction import Transaction
+from gradlab.clip import EPS, _check_norm_type, _check_threshold, get_total_norm
 
-__all__ = ["DECISIONS", "StepGuard", "StepRecord"]
+__all__ = ["DECISIONS", "SkipLimitError", "StepGuard", "StepRecord", "ThresholdPolicy"]
 
 #: The decisions a :class:`StepGuard` records, indexed by their device-side code.
 DECISIONS = ("kept", "clipped", "skipped")
 _KEPT, _CLIPPED, _SKIPPED = 0, 1, 2
 
-_MODES = ("none", "clip", "ignore")
+_MODES = ("none", "clip", "skip")
 _BY = ("norm", "value")
+_STATE_KEYS = frozenset({"num_steps", "counts", "consecutive_skips", "threshold", "loss_threshold"})
+
+
+class SkipLimitError(RuntimeError):
+    """Raised when a :class:`StepGuard` skips more than ``max_consecutive_skips`` steps in a row."""
+
+
+@runtime_checkable
+class ThresholdPolicy(Protocol):
+    """What ``threshold=`` and ``loss_threshold=`` accept besides a number.
+
+    ``threshold(stat)`` returns the 0-dim threshold for this step and has no side
+    effects (the guard may call it inside a compiled region); ``update(stat, accepted)``
+    is called once per step after the decision, ``accepted`` a 0-dim bool tensor (the
+    step was taken). Neither may read tensors on the host if the guard is to stay
+    sync-free.
+    """
+
+    def threshold(self, stat: Tensor) -> Tensor: ...
+
+    def update(self, stat: Tensor, accepted: Tensor) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 # ------------------------------------------------------------------------- records
@@ -84,14 +105,17 @@ class StepRecord:
             ``inf``.
         decision: ``"kept"`` (stepped unchanged), ``"clipped"`` (clipped, then
             stepped) or ``"skipped"`` (no trace left).
+        output: what ``optimizer.step()`` returned (``None`` if it was not called).
 
     ``total_norm`` and ``decision`` may be held as 0-dim device tensors until they
-    are first read, so that recording a step never forces a synchronisation.
+    are first read (a host read), so that recording a step never forces one.
     """
 
-    __slots__ = ("_decision", "_norm", "step")
+    __slots__ = ("_decision", "_norm", "output", "step")
 
-    def __init__(self, step: int, total_norm: float | Tensor, decision: str | Tensor) -> None:
+    def __init__(
+        self, step: int, total_norm: float | Tensor, decision: str | Tensor, output: Any = None
+    ) -> None:
         if isinstance(decision, str) and decision not in DECISIONS:
             raise ValueError(f"decision must be one of {DECISIONS}, got {decision!r}")
         self.step = int(step)
@@ -99,6 +123,7 @@ class StepRecord:
             total_norm.detach() if isinstance(total_norm, Tensor) else float(total_norm)
         )
         self._decision: str | Tensor = decision
+        self.output = output
 
     @property
     def pending(self) -> bool:
@@ -163,113 +188,192 @@ class StepGuard:
 
     .. code-block:: python
 
-        guard = StepGuard(optimizer, mode="ignore", threshold=1.0)
+        guard = StepGuard(optimizer, mode="skip", threshold=1.0)
         for x, y in batches:
             loss_fn(model(x), y).backward()
             record = guard.step()          # StepRecord(step, total_norm, decision)
-            guard.zero_grad(set_to_none=True)
+            guard.zero_grad()
 
-    The statistic :math:`s` is the total norm :math:`\|g\|_p` of all the optimizer's
-    gradients (``by="norm"``) or their largest absolute entry
-    :math:`\|g\|_\infty` (``by="value"``). A step is *over* the threshold
-    :math:`\tau` by the same rules as :func:`gradlab.grad_ignore_norm_` and
-    :func:`gradlab.grad_ignore_value_`:
-
-    .. math::
-        \text{by norm: } \frac{\tau}{s + 10^{-6}} < 1, \qquad
-        \text{by value: } s \ge \tau .
+    The statistic :math:`s` is the total norm :math:`\|g\|_p` of the optimizer's
+    gradients (``by="norm"``) or their largest absolute entry (``by="value"``). A step
+    is *over* a threshold :math:`\tau` by the rules of :func:`gradlab.grad_ignore_norm_`
+    and :func:`gradlab.grad_ignore_value_`: :math:`\tau / (s + 10^{-6}) < 1` by norm,
+    :math:`s \ge \tau` by value; NaN is always over.
 
     ``mode``:
 
-    * ``"none"``: record :math:`s`, always step (NaN included): a baseline.
-    * ``"clip"``: clip with :func:`gradlab.clip_grad_norm_` (by norm) or
-      :func:`gradlab.clip_grad_value_` (by value), then step; the decision is
-      ``"clipped"`` when over the threshold. A non-finite :math:`s` is skipped, never
-      stepped (clipping a NaN gradient would give NaN).
-    * ``"ignore"``: skip the whole step exactly when over the threshold or when
-      :math:`s` is NaN or infinite.
+    * ``"skip"``: skip the step exactly when over ``threshold`` or non-finite.
+      (``"ignore"`` is a deprecated alias: :func:`gradlab.grad_ignore_norm_` *zeroes*.)
+    * ``"clip"``: clip at ``threshold`` (as :func:`gradlab.clip_grad_norm_` /
+      :func:`gradlab.clip_grad_value_`), then step; skip a non-finite step, and one
+      over ``skip_above`` if given.
+    * ``"none"``: record :math:`s` and always step. On an overflowing fp16 step this
+      writes NaN into the weights: the baseline that shows the damage.
 
-    A skipped step leaves every parameter, every optimizer-state tensor (Adam's
-    ``step`` included) and the scheduler exactly as if the batch had never been
-    seen. NaN and Inf never reach them (except with ``mode="none"``). The gradients
-    themselves are not restored: in ``"clip"`` mode they may already be clipped when
-    the step is skipped; zero them before the next backward pass as usual.
+    A skipped step leaves the parameters, every optimizer-state tensor (nested ones and
+    Adam's ``step`` included), the param groups and the scheduler as if the batch had
+    never been seen, and fires no step hook. The gradients are not restored.
 
-    Cost per step, for P parameter entries, S optimizer-state entries (S = 2P for
-    Adam) and G gradient entries:
+    Host reads per step (:class:`gradlab.sync.HostReadCounter`, torch 2.13), for k
+    parameters with a gradient: the guard's, plus the optimizer's own, which it makes
+    guard or not (reads of its CPU ``step`` tensors, not GPU syncs):
 
-    =========  =====================================  =============  ================
-    ``sync``   passes over the data                   extra memory   host syncs
-    =========  =====================================  =============  ================
-    True       1 over G (norm); +1 to clip            none           1 (the decision)
-    False      as above, + copy of P+S, + select      P + S          0 (steady state)
-    =========  =====================================  =============  ================
+    ==================================================  ==========  ===========  ======
+    optimizer (torch.optim)                             sync=True   sync=False   own
+    ==================================================  ==========  ===========  ======
+    ``fused=True`` Adam, AdamW, SGD, Adagrad            1           0            0
+    SGD, Adadelta, RMSprop, Muon, capturable Adam(W)    1           0            0
+    Adam, AdamW, Adamax, RAdam, Adagrad                 1 + k       k            k
+    NAdam, ASGD, Adafactor                              1 + 3k      3k           3k
+    Rprop                                               1 + 4k      4k           4k
+    LBFGS (``step(closure)``)                           1 + own     1 + own      many
+    ==================================================  ==========  ===========  ======
 
-    With ``sync=False`` the select cannot add or remove dictionary entries or change
-    a Python number, so the guard reads the decision on the host (once) in a step
-    where the optimizer changes the *structure* of its state: the first step that
-    creates a parameter's state, or an optimizer keeping Python numbers in its state.
-    torch.optim optimizers keep only tensors, so from their second step on there is
-    no synchronisation at all. On a GPU, a state tensor on another device than the
-    gradients (non-capturable Adam keeps ``step`` on the CPU) needs the mask copied
-    there, which waits for the GPU: use ``fused=True`` or ``capturable=True``.
+    ``sync=False`` adds one read in a step that creates optimizer state (the first, and
+    each one after a skipped first; not Adagrad, whose state exists from the start), in
+    every step where the state changes structure (a Python number, a list that grows:
+    LBFGS) or step hooks are registered (hooks are host code), and one every
+    ``max_consecutive_skips`` steps to check that limit. ``sync=True`` steps the
+    scheduler with no further read. Memory: one copy of the stepped parameters and
+    their state on the snapshot path (allocated once), one scalar on the fused path.
+
+    With :class:`torch.amp.GradScaler`, measure the unscaled gradients::
+
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)   # done by the guard if it was given scaler=
+        guard.step()                 # skips if the guard or the scaler says so
+        scaler.update()              # backs off on inf, as usual
+
+    Given ``scaler=``, the guard unscales if needed, marks the optimizer stepped (so a
+    stray ``scaler.step(optimizer)`` raises) and refuses a second ``guard.step()`` before
+    ``scaler.update()``. ``scaler.step(guard)`` also works, with the scaler's own read.
 
     Args:
-        optimizer: the :class:`torch.optim.Optimizer` to guard; its parameters with a
-            ``.grad`` are the ones measured.
-        mode: ``"none"``, ``"clip"`` or ``"ignore"`` (see above).
+        optimizer: the :class:`torch.optim.Optimizer` to guard.
+        mode: ``"skip"``, ``"clip"`` or ``"none"``.
         by: ``"norm"`` or ``"value"``.
-        threshold: :math:`\tau`, a non-negative number (``inf`` allowed).
+        threshold: :math:`\tau`: a non-negative number (``inf`` allowed) or a
+            :class:`ThresholdPolicy`.
         norm_type: p of the total norm, a positive number or ``inf`` (``by="norm"``).
-        scheduler: an optional learning-rate scheduler of this same optimizer,
-            stepped right after every step that is taken and never on a skipped one.
-            Only with ``sync=True``: with ``sync=False`` the decision stays on the
-            device, and a scheduler's ``step()`` is host code (it sets the Python
-            float ``group["lr"]``), so it could not be made conditional without the
-            very synchronisation ``sync=False`` avoids.
-        sync: ``True`` to decide on the host, ``False`` for the device-side select.
+        scheduler: a learning-rate scheduler of this optimizer, stepped after every
+            taken step (``sync=True`` only: its ``step()`` is host code).
+        sync: ``True`` to decide on the host, ``False`` to keep the decision on the device.
+        skip_above: ``mode="clip"`` only: also skip when over this larger number.
+        loss_threshold: a number or policy; ``step(loss=...)`` skips a loss over it.
+        scaler: the :class:`torch.amp.GradScaler` that scales this optimizer's loss.
+        max_consecutive_skips: raise :class:`SkipLimitError` after this many skips in a
+            row (``None``: never).
+        history: keep the last ``history`` records in :attr:`history` (default none).
+        on_record: called with each :class:`StepRecord` (pending under ``sync=False``).
 
     Raises:
         TypeError: ``optimizer`` is not a :class:`torch.optim.Optimizer`.
-        ValueError: a bad ``mode``, ``by``, ``threshold``, ``norm_type``, ``sync`` or
-            ``scheduler`` (another optimizer's, one needing a metric, or any with
-            ``sync=False``).
+        ValueError: a bad argument, named; a sparse optimizer (SparseAdam).
+
+    .. note::
+        Under :func:`torch.compile` the decision (norm, thresholds, flag) traces into one
+        graph; ``optimizer.step()`` and, with ``sync=True``, the decision read break it.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        mode: str = "ignore",
+        mode: str = "skip",
         by: str = "norm",
-        threshold: float = 1.0,
+        threshold: float | ThresholdPolicy = 1.0,
         norm_type: float | str = 2.0,
         scheduler: Any = None,
         sync: bool = True,
+        *,
+        skip_above: float | None = None,
+        loss_threshold: float | ThresholdPolicy | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        max_consecutive_skips: int | None = 100,
+        history: int | None = None,
+        on_record: Callable[[StepRecord], None] | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ValueError(
+                "StepGuard does not support SparseAdam: its sparse gradients have no total "
+                "norm to guard and its state cannot be snapshotted; use a dense optimizer"
+            )
+        if mode == "ignore":
+            warnings.warn(
+                'StepGuard(mode="ignore") is deprecated, use mode="skip": the step is '
+                "skipped, whereas gradlab.grad_ignore_norm_ zeroes the gradients",
+                FutureWarning,
+                stacklevel=2,
+            )
+            mode = "skip"
         if not isinstance(mode, str) or mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if not isinstance(by, str) or by not in _BY:
             raise ValueError(f"by must be one of {_BY}, got {by!r}")
         if not isinstance(sync, bool):
             raise ValueError(f"sync must be True or False, got {sync!r}")
+        if skip_above is not None and mode != "clip":
+            raise ValueError(f'skip_above is for mode="clip" only, got mode={mode!r}')
+        if loss_threshold is not None and mode == "none":
+            raise ValueError('loss_threshold cannot skip anything with mode="none"')
+        if max_consecutive_skips is not None and (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, int)
+            or max_consecutive_skips < 1
+        ):
+            raise ValueError(
+                "max_consecutive_skips must be a positive int or None, got "
+                f"{max_consecutive_skips!r}"
+            )
+        if history is not None and (
+            isinstance(history, bool) or not isinstance(history, int) or history < 1
+        ):
+            raise ValueError(f"history must be a positive int or None, got {history!r}")
+        if on_record is not None and not callable(on_record):
+            raise ValueError(f"on_record must be callable, got {type(on_record).__name__}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise ValueError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self._optimizer = optimizer
         self.mode = mode
         self.by = by
-        self.threshold = _check_threshold("threshold", threshold)
         self.norm_type = _check_norm_type(norm_type)
         self.sync = sync
+        # Fixed thresholds are 0-dim tensors so that a compiled decision does not
+        # specialise (and recompile) on their value.
+        self._policy, number = _threshold_arg("threshold", threshold)
+        self._threshold = _Fixed(number)
+        self._loss_policy, self._loss_threshold = None, None
+        if loss_threshold is not None:
+            self._loss_policy, number = _threshold_arg("loss_threshold", loss_threshold)
+            self._loss_threshold = _Fixed(number)
+        self._skip_above = None
+        if skip_above is not None:
+            self._skip_above = _Fixed(_threshold_arg("skip_above", skip_above, policy=False)[1])
         if scheduler is not None:
             _check_scheduler(scheduler, optimizer, sync)
         self._scheduler = scheduler
-        self._records: list[StepRecord] = []
+        self._scaler = scaler
+        self.max_consecutive_skips = max_consecutive_skips
+        self._history: deque[StepRecord] | None = None if history is None else deque(maxlen=history)
+        self._on_record = on_record
+        self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._transaction = None if self._fused else Transaction(optimizer)
+        self._flag: Tensor | None = None
+        if self._fused and not sync:
+            device = optimizer.param_groups[0]["params"][0].device
+            self._flag = torch.zeros((), dtype=torch.float32, device=device)
+            optimizer.found_inf = self._flag
         self._steps = 0
-        # sync=False: the snapshot buffers, and the tensors they were made for.
-        self._buffers: list[Tensor] = []
-        self._buffered: list[Tensor] = []
+        # Counts of kept, clipped, skipped steps and the current run of skips: Python ints
+        # with sync=True, device tensors with sync=False (read only when asked).
+        self._counts: list[int] | Tensor = [0, 0, 0]
+        self._consecutive: int | Tensor = 0
+        self._one: Tensor | None = None
+        self._last: StepRecord | None = None
+        self._recent: deque[Tensor] = deque(maxlen=5)  # statistics named by SkipLimitError
 
     # ------------------------------------------------------------------ properties
 
@@ -278,42 +382,140 @@ class StepGuard:
         return self._optimizer
 
     @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups (so that ``scaler.step(guard)`` works)."""
+        return self._optimizer.param_groups
+
+    @property
     def scheduler(self) -> Any:
         return self._scheduler
 
     @property
+    def threshold(self) -> float | ThresholdPolicy:
+        """The threshold: a float (settable without recompiling) or the policy."""
+        return self._policy if self._policy is not None else self._threshold.value
+
+    @threshold.setter
+    def threshold(self, value: float | ThresholdPolicy) -> None:
+        self._policy, number = _threshold_arg("threshold", value)
+        self._threshold.fill_(number)
+
+    @property
+    def last(self) -> StepRecord | None:
+        """The record of the latest step (``None`` before the first)."""
+        return self._last
+
+    @property
     def history(self) -> list[StepRecord]:
-        """Every step's record, oldest first (pending device values are read now)."""
-        _resolve([r for r in self._records if r.pending])
-        return list(self._records)
+        """The last ``history`` records, oldest first (pending values are read now).
+
+        .. note:: With ``sync=False`` this reads the pending records' values on the host.
+        """
+        if self._history is None:
+            raise RuntimeError("this guard keeps no history: build it with history=N")
+        _resolve([r for r in self._history if r.pending])
+        return list(self._history)
+
+    @property
+    def taken(self) -> int:
+        """Steps taken (kept or clipped).
+
+        .. note:: With ``sync=False`` the counters live on the device: one host read.
+        """
+        counts = self._read_counts()
+        return counts[_KEPT] + counts[_CLIPPED]
+
+    @property
+    def clipped(self) -> int:
+        """Steps clipped, then taken.
+
+        .. note:: With ``sync=False`` the counters live on the device: one host read.
+        """
+        return self._read_counts()[_CLIPPED]
 
     @property
     def skipped(self) -> int:
-        """How many steps were skipped so far."""
-        return sum(r.decision == "skipped" for r in self.history)
+        """Steps skipped.
+
+        .. note:: With ``sync=False`` the counters live on the device: one host read.
+        """
+        return self._read_counts()[_SKIPPED]
 
     @property
     def num_steps(self) -> int:
-        """How many times :meth:`step` was called (skipped steps included)."""
+        """How many :meth:`step` calls completed (skipped steps included)."""
         return self._steps
 
     def __repr__(self) -> str:
         return (
             f"StepGuard({type(self._optimizer).__name__}, mode={self.mode!r}, by={self.by!r}, "
-            f"threshold={self.threshold:g}, norm_type={self.norm_type:g}, sync={self.sync})"
+            f"threshold={self.threshold!r}, norm_type={self.norm_type:g}, sync={self.sync})"
         )
 
     # ------------------------------------------------------------------------ step
 
-    def step(self) -> StepRecord:
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> StepRecord:
         """Measure the gradients, then take, clip or skip the optimizer step.
 
+        Args:
+            closure: for optimizers that need one (LBFGS): the guard calls it once to
+                compute the gradients it measures, then passes it to ``optimizer.step``.
+            loss: the batch's loss, compared with ``loss_threshold`` (the closure's
+                return value is used when this is not given).
+
         Returns:
-            The :class:`StepRecord` of this step (also appended to :attr:`history`).
+            The :class:`StepRecord` of this step.
 
         Raises:
-            RuntimeError: no parameter of the optimizer has a gradient.
+            RuntimeError: no parameter has a gradient; ``scaler`` misuse.
+            ValueError: sparse gradients; ``loss_threshold`` without a loss.
+            SkipLimitError: more than ``max_consecutive_skips`` skips in a row.
+
+        .. note::
+            ``sync=True`` reads the decision on the host once. ``sync=False`` reads
+            nothing except as listed in the class notes.
         """
+        if closure is not None:
+            with torch.enable_grad():
+                closure_loss = closure()
+            loss = closure_loss if loss is None else loss
+        params = self._params_with_grad()
+        if self._loss_threshold is not None and loss is None:
+            raise ValueError("this guard has a loss_threshold: call guard.step(loss=loss)")
+        scaler_state = self._scaler_state()
+        with torch.no_grad():
+            found_inf = None if scaler_state is None else _sum_found_inf(scaler_state, params)
+            loss_t = None
+            if loss is not None and self._loss_threshold is not None:
+                loss_t = torch.as_tensor(loss).detach()
+            stat, code = self._decide([p.grad for p in params], loss_t, found_inf)
+            if self.mode == "none":
+                output = self._take(closure)
+                decision: str | Tensor = "kept"
+            elif self.sync:
+                decision = DECISIONS[int(code.item())]  # the one host read of the step
+                output = None if decision == "skipped" else self._take(closure)
+            else:
+                output = self._step_on_device(params, code, closure)
+                decision = code
+            self._book(stat, code, decision, loss_t)
+        if scaler_state is not None:
+            scaler_state["stage"] = OptState.STEPPED
+        record = StepRecord(self._steps, stat, decision, output)
+        self._steps += 1
+        self._last = record
+        if self._history is not None:
+            self._history.append(record)
+        if self._on_record is not None:
+            self._on_record(record)
+        self._check_skip_limit()
+        return record
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad(set_to_none)``."""
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _params_with_grad(self) -> list[Tensor]:
         params = [
             p
             for group in self._optimizer.param_groups
@@ -325,140 +527,289 @@ class StepGuard:
                 "StepGuard.step() found no gradient: no parameter of the optimizer has a "
                 ".grad. Call loss.backward() before guard.step()."
             )
-        with torch.no_grad():
-            stat, code = self._measure(params)
-        index = self._steps
-        self._steps += 1
-        if self.mode == "none":
-            self._take_step()
-            record = StepRecord(index, stat, "kept")
-        elif self.sync:
-            decision = DECISIONS[int(code.item())]  # the one host read of the step
-            if decision != "skipped":
-                self._take_step()
-            record = StepRecord(index, stat, decision)
-        else:
-            with torch.no_grad():
-                self._step_and_select(code != _SKIPPED)
-            record = StepRecord(index, stat, code)
-        self._records.append(record)
-        return record
+        if any(p.grad.layout != torch.strided for p in params):
+            raise ValueError("StepGuard does not support sparse gradients: use dense ones")
+        return params
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``optimizer.zero_grad(set_to_none)``."""
-        self._optimizer.zero_grad(set_to_none=set_to_none)
-
-    def _take_step(self) -> None:
-        self._optimizer.step()
-        if self._scheduler is not None:
-            self._scheduler.step()
-
-    def _measure(self, params: list[Tensor]) -> tuple[Tensor, Tensor]:
+    def _decide(
+        self, grads: list[Tensor], loss: Tensor | None, found_inf: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """The statistic and the decision code (0 kept, 1 clipped, 2 skipped), on the device.
 
-        In ``"clip"`` mode the gradients are clipped here, unconditionally.
+        Pure tensor code, no host read (compiles with ``fullgraph=True``); in ``"clip"``
+        mode it clips the gradients, unconditionally.
         """
+        stat = get_total_norm(grads, self.norm_type if self.by == "norm" else math.inf)
+        if self.mode == "none":
+            return stat, torch.zeros((), dtype=torch.int64, device=stat.device)
+        threshold = self._threshold if self._policy is None else self._policy.threshold(stat)
+        within = self._within(stat, threshold)
+        extra = []  # further reasons to skip
+        if self.mode == "clip":
+            _clip_(grads, stat, threshold, self.by)
+            extra.append(~torch.isfinite(stat))
+            if self._skip_above is not None:
+                extra.append(~self._within(stat, self._skip_above))
+        # In "skip" mode a non-finite statistic already fails the test `within`.
+        if loss is not None:
+            limit = (
+                self._loss_threshold
+                if self._loss_policy is None
+                else self._loss_policy.threshold(loss)
+            )
+            extra.append(~(loss.double() <= _as_dtype(limit, torch.float64)))
+        if found_inf is not None:
+            extra.append(found_inf > 0)
+        if self.mode == "skip" and not extra:
+            return stat, torch.where(within, _KEPT, _SKIPPED)
+        skip = extra[0]
+        for reason in extra[1:]:
+            skip = skip | reason
+        if self.mode == "skip":
+            skip = skip | ~within
+            return stat, torch.where(skip, _SKIPPED, _KEPT)
+        return stat, torch.where(skip, _SKIPPED, torch.where(within, _KEPT, _CLIPPED))
+
+    def _within(self, stat: Tensor, threshold: Any) -> Tensor:
+        """Whether ``stat`` is within ``threshold``; False for NaN, as in grad_ignore_norm_."""
         if self.by == "norm":
-            if self.mode == "clip":
-                stat = clip_grad_norm_(params, self.threshold, self.norm_type)
-            else:
-                stat = get_total_norm([p.grad for p in params], self.norm_type)
-            # Written so that NaN fails the test, as in grad_ignore_norm_.
-            within = self.threshold / (stat + EPS) >= 1.0
-        else:
-            stat = get_total_norm([p.grad for p in params], math.inf)
-            within = stat.to(torch.float64) < self.threshold
-            if self.mode == "clip":
-                clip_grad_value_(params, self.threshold)
-        bad = ~torch.isfinite(stat)
-        if self.mode == "ignore":
-            code = (~within | bad).to(torch.int64) * _SKIPPED
-        else:  # "clip" ("none" ignores the code)
-            code = (~within).to(torch.int64).masked_fill(bad, _SKIPPED)
-        return stat, code
+            return _as_dtype(threshold, stat.dtype) / (stat + EPS) >= 1.0
+        return stat.double() < _as_dtype(threshold, torch.float64)
 
-    def _step_and_select(self, keep: Tensor) -> None:
-        """Step, then keep the new or the old value of every tensor, on the device."""
+    def _take(self, closure: Callable[[], Any] | None) -> Any:
+        output = _call_step(self._optimizer, closure)
+        if self._scheduler is not None:
+            self._scheduler.step()
+        return output
+
+    def _step_on_device(self, params: list[Tensor], code: Tensor, closure: Any) -> Any:
+        """Step so that a skip leaves no trace, without reading ``code`` where possible."""
         opt = self._optimizer
-        params = [p for group in opt.param_groups for p in group["params"]]
-        state_before = {p: dict(entry) for p, entry in opt.state.items()}
-        live = [p.detach() for p in params] + [
-            v.detach()
-            for entry in state_before.values()
-            for v in entry.values()
-            if isinstance(v, Tensor)
-        ]
-        copies = self._snapshot(live)
-        param_copies = copies[: len(params)]
-        rest = iter(copies[len(params) :])
-        state_copies = {
-            p: {k: next(rest) for k, v in entry.items() if isinstance(v, Tensor)}
-            for p, entry in state_before.items()
-        }
-        groups_before = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        if _has_step_hooks(opt):  # host code: it can only be skipped by not stepping
+            return None if int(code) == _SKIPPED else _call_step(opt, closure)
+        if self._transaction is not None:
+            keep = code != _SKIPPED
+            output, _ = self._transaction.run(params, keep, lambda: _call_step(opt, closure))
+            return output
+        # The fused kernel skips when its found_inf flag (the attribute GradScaler sets) is
+        # nonzero. The flag is one tensor written in place, never a new attribute value:
+        # an attribute assigned inside a compiled region is lost. It is zeroed after the
+        # step so that a later bare optimizer.step() is not skipped.
+        if getattr(opt, "found_inf", None) is not self._flag:
+            opt.found_inf = self._flag
+        torch.ge(code, _SKIPPED, out=self._flag)
+        fresh = [p for p in params if p not in opt.state]
+        try:
+            output = _call_step(opt, closure)
+        finally:
+            self._flag.zero_()
+        created = [p for p in fresh if p in opt.state]
+        # A new state entry (the first step) cannot be undone on the device: read once.
+        if created and int(code) == _SKIPPED:
+            for p in created:
+                del opt.state[p]
+        return output
 
-        opt.step()
-
-        if not _same_structure(opt, state_before, groups_before):
-            # A select cannot undo a new dict entry or a Python number: read the
-            # decision once (torch.optim: only on the step that creates the state).
-            if not bool(keep.item()):
-                _restore(opt, params, param_copies, state_before, state_copies, groups_before)
+    def _book(
+        self, stat: Tensor, code: Tensor, decision: str | Tensor, loss: Tensor | None
+    ) -> None:
+        """Update the counters and the policies after a completed step."""
+        if self._policy is not None or self._loss_policy is not None:
+            accepted = code != _SKIPPED
+            if self._policy is not None:
+                self._policy.update(stat, accepted)
+            if self._loss_policy is not None and loss is not None:
+                self._loss_policy.update(loss, accepted)
+        self._recent.append(stat)
+        if self.sync:
+            index = DECISIONS.index(decision)  # type: ignore[arg-type]
+            self._counts[index] += 1  # type: ignore[index]
+            self._consecutive = self._consecutive + 1 if index == _SKIPPED else 0
             return
-        masks: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        for p, old in zip(params, param_copies, strict=True):
-            _select_(p.detach(), old, keep, masks)
-        for p, copies in state_copies.items():
-            entry = opt.state[p]
-            for key, old in copies.items():
-                _select_(entry[key].detach(), old, keep, masks)
+        if not isinstance(self._counts, Tensor):
+            self._counts = torch.tensor(self._counts, dtype=torch.int64, device=code.device)
+            self._consecutive = torch.tensor(
+                self._consecutive, dtype=torch.int64, device=code.device
+            )
+            self._one = torch.ones(1, dtype=torch.int64, device=code.device)
+        self._counts.index_add_(0, code.view(1), self._one)
+        skipped = code >> 1  # 1 for _SKIPPED, else 0: an int64, so one fused update below
+        torch.addcmul(skipped, self._consecutive, skipped, out=self._consecutive)
 
-    def _snapshot(self, live: list[Tensor]) -> list[Tensor]:
-        """Copies of ``live`` in buffers kept from step to step.
+    def _read_counts(self) -> list[int]:
+        return self._counts.tolist() if isinstance(self._counts, Tensor) else list(self._counts)
 
-        Reusing the buffers avoids allocating (and, on CPU, page-faulting) fresh
-        memory at every step; they are reallocated only when the set of tensors
-        changes (in practice: after the step that creates the optimizer state).
-        """
-        reuse = len(self._buffers) == len(live) and all(
-            a is b for a, b in zip(self._buffered, live, strict=True)
+    def _read_consecutive(self) -> int:
+        return int(self._consecutive)
+
+    def _check_skip_limit(self) -> None:
+        limit = self.max_consecutive_skips
+        if limit is None:
+            return
+        if isinstance(self._consecutive, Tensor) and self._steps % limit:
+            return  # sync=False: checked (one host read) every `limit` steps only
+        run = self._read_consecutive()
+        if run < limit:
+            return
+        recent = ", ".join(f"{float(v):.4g}" for v in self._recent)
+        raise SkipLimitError(
+            f"StepGuard skipped {run} steps in a row (max_consecutive_skips={limit}) with "
+            f"threshold={self.threshold!r} (mode={self.mode!r}, by={self.by!r}); the last "
+            f"statistics were [{recent}]. Raise the threshold, lower the learning rate, or "
+            "pass max_consecutive_skips=None."
         )
-        if not reuse:
-            self._buffered = list(live)
-            self._buffers = [
-                torch.empty_like(t, memory_format=torch.contiguous_format) for t in live
-            ]
-        for device_live, device_buffers in _by_device(live, self._buffers):
-            torch._foreach_copy_(device_buffers, device_live)
-        return self._buffers
+
+    # ---------------------------------------------------------------------- scaler
+
+    def _scaler_state(self) -> dict[str, Any] | None:
+        """The scaler's record for this step, unscaling first if it was not done."""
+        scaler = self._scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        states = scaler._per_optimizer_states
+        own = states.get(id(self))  # scaler.step(guard) / scaler.unscale_(guard)
+        if own is not None and own["stage"] is OptState.UNSCALED:
+            return own
+        state = states[id(self._optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(
+                "StepGuard.step(): this optimizer was already stepped since the last "
+                "scaler.update() (guard.step() twice, or scaler.step(optimizer) and "
+                "guard.step()). Call scaler.update() once after each guard.step()."
+            )
+        if state["stage"] is OptState.READY:
+            scaler.unscale_(self._optimizer)  # the guard must measure unscaled gradients
+        return state
 
     # ----------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's and the scheduler's state dicts, and the history."""
+        """The guard's own state: counters and threshold policies.
+
+        Like :class:`torch.amp.GradScaler`, it holds neither the optimizer's nor the
+        scheduler's state: save those as usual.
+
+        .. note:: With ``sync=False`` this reads the device counters on the host.
+        """
         return {
-            "optimizer": self._optimizer.state_dict(),
-            "scheduler": None if self._scheduler is None else self._scheduler.state_dict(),
-            "history": [tuple(r) for r in self.history],
             "num_steps": self._steps,
+            "counts": self._read_counts(),
+            "consecutive_skips": self._read_consecutive(),
+            "threshold": None if self._policy is None else self._policy.state_dict(),
+            "loss_threshold": None if self._loss_policy is None else self._loss_policy.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (into this guard's optimizer and scheduler)."""
-        if (state_dict["scheduler"] is None) != (self._scheduler is None):
+        """Restore what :meth:`state_dict` saved.
+
+        Raises:
+            ValueError: ``state_dict`` is not a StepGuard state dict, or its policies do
+                not match this guard's.
+        """
+        if not isinstance(state_dict, dict) or state_dict.keys() != _STATE_KEYS:
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(
-                "scheduler: the state dict was saved "
-                f"{'without' if state_dict['scheduler'] is None else 'with'} a scheduler, "
-                f"this guard has {'none' if self._scheduler is None else 'one'}"
+                f"not a StepGuard state dict: expected the keys {sorted(_STATE_KEYS)}, got "
+                f"{got}. (StepGuard.state_dict() holds only the guard's own state; load the "
+                "optimizer's with optimizer.load_state_dict.)"
             )
-        self._optimizer.load_state_dict(state_dict["optimizer"])
-        if self._scheduler is not None:
-            self._scheduler.load_state_dict(state_dict["scheduler"])
-        self._records = [StepRecord(*entry) for entry in state_dict["history"]]
-        self._steps = int(state_dict.get("num_steps", len(self._records)))
+        for name, policy in (("threshold", self._policy), ("loss_threshold", self._loss_policy)):
+            if (state_dict[name] is None) != (policy is None):
+                raise ValueError(
+                    f"{name}: the state dict was saved with"
+                    f"{'out' if state_dict[name] is None else ''} a policy, this guard has "
+                    f"{'none' if policy is None else 'one'}"
+                )
+            if policy is not None:
+                policy.load_state_dict(state_dict[name])
+        counts, consecutive = list(state_dict["counts"]), int(state_dict["consecutive_skips"])
+        if isinstance(self._counts, Tensor):
+            self._counts.copy_(torch.tensor(counts))
+            self._consecutive.fill_(consecutive)  # type: ignore[union-attr]
+        else:
+            self._counts, self._consecutive = counts, consecutive
+        self._steps = int(state_dict["num_steps"])
 
 
 # ------------------------------------------------------------------------- helpers
+
+
+def _threshold_arg(
+    name: str, value: object, policy: bool = True
+) -> tuple[ThresholdPolicy | None, float]:
+    """``(policy, nan)`` for a policy, ``(None, number)`` for a valid number."""
+    if policy and not isinstance(value, numbers.Number) and isinstance(value, ThresholdPolicy):
+        return value, math.nan
+    try:
+        return None, _check_threshold(name, value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float: {value!r}") from None
+
+
+class _Fixed:
+    """A fixed threshold as 0-dim float32 and float64 tensors, refilled in place.
+
+    Tensors rather than a Python float so that a compiled decision neither specialises
+    nor recompiles on the value; one per dtype so that no conversion runs per step.
+    """
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.f32 = torch.tensor(value, dtype=torch.float32)
+        self.f64 = torch.tensor(value, dtype=torch.float64)
+
+    def fill_(self, value: float) -> None:
+        self.value = value
+        self.f32.fill_(value)
+        self.f64.fill_(value)
+
+
+def _as_dtype(threshold: _Fixed | Tensor, dtype: torch.dtype) -> Tensor:
+    """The threshold in ``dtype``, rounded as a Python float would be in a tensor op."""
+    if isinstance(threshold, _Fixed):
+        if dtype == torch.float32:
+            return threshold.f32
+        return threshold.f64 if dtype == torch.float64 else threshold.f64.to(dtype)
+    return threshold.to(dtype)
+
+
+def _sum_found_inf(state: dict[str, Any], params: list[Tensor]) -> Tensor:
+    device = params[0].device
+    found = state["found_inf_per_device"].values()
+    return (
+        torch.stack([f.to(device) for f in found]).sum()
+        if found
+        else torch.zeros((), device=device)
+    )
+
+
+def _clip_(grads: list[Tensor], stat: Tensor, threshold: _Fixed | Tensor, by: str) -> None:
+    """Clip in place like torch.nn.utils, with the same roundings of the threshold."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    if by == "norm":
+        coef = torch.clamp(_as_dtype(threshold, stat.dtype) / (stat + EPS), max=1.0)
+        for (device, _), group in groups.items():
+            torch._foreach_mul_(group, coef.to(device))
+        return
+    for (device, dtype), group in groups.items():
+        high = _as_dtype(threshold, torch.float64).to(device, dtype)
+        for g in group:
+            torch.clamp_(g, min=-high, max=high)
+
+
+def _call_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:
+    return opt.step() if closure is None else opt.step(closure)
+
+
+def _has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    return bool(
+        opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or _optim_module._global_optimizer_pre_hooks
+        or _optim_module._global_optimizer_post_hooks
+    )
 
 
 def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, sync: bool) -> None:
@@ -475,108 +826,14 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, sync: boo
         )
     if not callable(getattr(scheduler, "step", None)):
         raise ValueError(f"scheduler must have a step() method, got {type(scheduler).__name__}")
-    if getattr(scheduler, "optimizer", None) is not optimizer:
+    if not hasattr(scheduler, "optimizer"):
+        raise ValueError(
+            f"scheduler ({type(scheduler).__name__}) has no .optimizer attribute, so the "
+            "guard cannot check that it schedules the guarded optimizer; pass a "
+            "torch.optim.lr_scheduler scheduler, or step yours when a step is taken"
+        )
+    if scheduler.optimizer is not optimizer:
         raise ValueError(
             "scheduler belongs to a different optimizer than the one guarded; its "
             "learning rates would not be the ones used"
         )
-
-
-def _by_device(
-    live: list[Tensor], buffers: list[Tensor]
-) -> list[tuple[list[Tensor], list[Tensor]]]:
-    groups: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}
-    for t, b in zip(live, buffers, strict=True):
-        pair = groups.setdefault(t.device, ([], []))
-        pair[0].append(t)
-        pair[1].append(b)
-    return list(groups.values())
-
-
-#: Integer types of each element size: a select on their bits is exact for any dtype.
-def _select_(
-    live: Tensor, old: Tensor, keep: Tensor, masks: dict[tuple[torch.device, torch.dtype], Tensor]
-) -> None:
-    r"""``live <- live if keep else old``, in place, on the device, bit for bit.
-
-    Done on the bits, :math:`x \leftarrow (x_{\text{new}} \wedge M) \vee
-    (x_{\text{old}} \wedge \lnot M)` with :math:`M` all ones (keep) or all zeros: exact
-    for NaN payloads and signed zeros, and three vectorised in-place passes, several
-    times faster on CPU than ``torch.where`` with a broadcast 0-dim condition (used
-    where a bit view is impossible). ``old`` is overwritten.
-    """
-    bits = _SAME_WIDTH_INT.get(live.element_size())
-    if bits is None or not (live.is_contiguous() and old.is_contiguous()) or live.is_complex():
-        torch.where(keep.to(live.device), live, old, out=live)
-        return
-    key = (live.device, bits)
-    if key not in masks:
-        masks[key] = keep.to(device=live.device, dtype=bits).neg()  # 0 or all ones
-    mask = masks[key]
-    live_bits, old_bits = live.view(bits), old.view(bits)
-    live_bits.bitwise_and_(mask)
-    old_bits.bitwise_and_(mask.bitwise_not())
-    live_bits.bitwise_or_(old_bits)
-
-
-def _same(a: object, b: object) -> bool:
-    """Whether a select can carry ``b`` (before) to ``a`` (after): same slot, same kind."""
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return (
-            isinstance(a, Tensor)
-            and isinstance(b, Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and a.device == b.device
-            and a.layout == torch.strided
-        )
-    if a is b:
-        return True
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:
-        return False
-
-
-def _same_structure(
-    opt: torch.optim.Optimizer,
-    state_before: dict[Tensor, dict[Any, Any]],
-    groups_before: list[dict[str, Any]],
-) -> bool:
-    if set(opt.state.keys()) != set(state_before.keys()):
-        return False
-    for p, before in state_before.items():
-        after = opt.state[p]
-        if after.keys() != before.keys():
-            return False
-        if not all(_same(after[k], before[k]) for k in before):
-            return False
-    return all(
-        g.keys() - {"params"} == before.keys() and all(_same(g[k], before[k]) for k in before)
-        for g, before in zip(opt.param_groups, groups_before, strict=True)
-    )
-
-
-def _restore(
-    opt: torch.optim.Optimizer,
-    params: list[Tensor],
-    param_copies: list[Tensor],
-    state_before: dict[Tensor, dict[Any, Any]],
-    state_copies: dict[Tensor, dict[Any, Tensor]],
-    groups_before: list[dict[str, Any]],
-) -> None:
-    """Put back everything as it was before ``opt.step()`` (same tensor objects)."""
-    for p, old in zip(params, param_copies, strict=True):
-        p.detach().copy_(old)
-    for p in list(opt.state.keys()):
-        if p not in state_before:
-            del opt.state[p]
-    for p, before in state_before.items():
-        for key, old in state_copies[p].items():
-            before[key].detach().copy_(old)
-        opt.state[p] = before
-    for g, before in zip(opt.param_groups, groups_before, strict=True):
-        for key in list(g.keys()):
-            if key != "params" and key not in before:
-                del g[key]
-        g.update(before)

@@ -98,7 +98,7 @@ def _train(make_opt, batches, guard_kwargs=None, foreach=None, scheduler_fn=None
     sched = scheduler_fn(opt) if scheduler_fn else None
     guard = None
     if guard_kwargs is not None:
-        guard = StepGuard(opt, scheduler=sched, **guard_kwargs)
+        guard = StepGuard(opt, scheduler=sched, **{"history": len(batches), **guard_kwargs})
     lrs = []
     for batch in batches:
         lrs.append(opt.param_groups[0]["lr"])
@@ -141,7 +141,7 @@ def test_skip_equals_never_seeing_the_batch(name, bad_at, sync):
     reference = [b for i, b in enumerate(batches) if i != bad_at]
     make = OPTIMIZERS[name]
     ref_model, ref_opt, _, _ = _train(make, reference)
-    model, opt, guard, _ = _train(make, bad, dict(mode="ignore", threshold=20.0, sync=sync))
+    model, opt, guard, _ = _train(make, bad, dict(mode="skip", threshold=20.0, sync=sync))
     assert [r.decision for r in guard.history] == [
         "skipped" if i == bad_at else "kept" for i in range(6)
     ]
@@ -156,12 +156,12 @@ def test_skip_is_exact_for_foreach_and_single_tensor_paths(name, foreach, sync):
     bad = [batches[0], _corrupt(batches[1], "big"), *batches[2:]]
     make = OPTIMIZERS[name]
     ref = _train(make, [batches[0], *batches[2:]], foreach=foreach)
-    got = _train(make, bad, dict(mode="ignore", threshold=20.0, sync=sync), foreach=foreach)
+    got = _train(make, bad, dict(mode="skip", threshold=20.0, sync=sync), foreach=foreach)
     _assert_identical(got[0], got[1], ref[0], ref[1])
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf"])
-@pytest.mark.parametrize("mode", ["clip", "ignore"])
+@pytest.mark.parametrize("mode", ["clip", "skip"])
 @pytest.mark.parametrize("by", ["norm", "value"])
 @pytest.mark.parametrize("sync", [True, False])
 @pytest.mark.parametrize("name", ["sgd-momentum-wd", "adam", "adamw-fused"])
@@ -355,7 +355,7 @@ def test_mode_none_records_and_always_steps(sync):
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
 @pytest.mark.parametrize("scale", [0.0, 0.5, 1.0, 2.0])
-def test_ignore_decision_follows_the_clip_rule(norm_type, scale):
+def test_skip_decision_follows_the_clip_rule(norm_type, scale):
     """Skip exactly when torch.nn.utils.clip_grad_norm_ would rescale (coef < 1)."""
     model = _model()
     _backward(model, _batches(1)[0])
@@ -370,7 +370,7 @@ def test_ignore_decision_follows_the_clip_rule(norm_type, scale):
 
 
 @pytest.mark.parametrize("sync", [True, False])
-def test_ignore_by_value_threshold_is_inclusive(sync):
+def test_skip_by_value_threshold_is_inclusive(sync):
     model = _model()
     _backward(model, _batches(1)[0])
     largest = max(p.grad.abs().max().item() for p in model.parameters())
@@ -446,14 +446,14 @@ class _NoHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode", ["clip", "ignore", "none"])
+@pytest.mark.parametrize("mode", ["clip", "skip", "none"])
 @pytest.mark.parametrize("name", ["sgd-momentum-wd", "sgd-nesterov", "adam-fused", "adamw-fused"])
 def test_sync_false_never_reads_the_device(name, mode):
     batches = _batches(5)
     stream = [batches[0], _corrupt(batches[1], "big"), _corrupt(batches[2], "nan"), *batches[3:]]
     model = _model()
     opt = OPTIMIZERS[name](model.parameters())
-    guard = StepGuard(opt, mode=mode, threshold=20.0, sync=False)
+    guard = StepGuard(opt, mode=mode, threshold=20.0, sync=False, history=5)
     _backward(model, stream[0])
     guard.step()  # creates the optimizer state (that step may read the decision once)
     guard.zero_grad()
@@ -463,7 +463,7 @@ def test_sync_false_never_reads_the_device(name, mode):
             record = guard.step()
             assert record.pending
         guard.zero_grad()
-    expected = {"none": "kkkkk", "clip": "kcskk", "ignore": "ksskk"}[mode]
+    expected = {"none": "kkkkk", "clip": "kcskk", "skip": "ksskk"}[mode]
     assert "".join(r.decision[0] for r in guard.history) == expected
 
 
@@ -500,10 +500,10 @@ def test_host_reads_per_step():
             guard.zero_grad()
         return counts
 
-    assert count(True, "ignore") == [1, 1, 1]  # like GradScaler: one read per step
+    assert count(True, "skip") == [1, 1, 1]  # like GradScaler: one read per step
     assert count(True, "clip") == [1, 1, 1]
     assert count(True, "none") == [0, 0, 0]  # nothing to decide
-    assert count(False, "ignore") == [1, 0, 0]  # only the step that creates the state
+    assert count(False, "skip") == [1, 0, 0]  # only the step that creates the state
     assert count(False, "none") == [0, 0, 0]
 
 
@@ -512,7 +512,7 @@ def test_host_reads_per_step():
 
 def test_history_is_lazy_with_sync_false_and_converts_on_read():
     model = _model()
-    guard = StepGuard(_adamw_fused(model.parameters()), threshold=20.0, sync=False)
+    guard = StepGuard(_adamw_fused(model.parameters()), threshold=20.0, sync=False, history=3)
     for batch in [*_batches(2), _corrupt(_batches(1, seed=5)[0], "inf")]:
         _backward(model, batch)
         record = guard.step()
@@ -541,43 +541,36 @@ def test_step_record_behaves_like_a_tuple():
 
 @pytest.mark.parametrize("sync", [True, False])
 def test_state_dict_round_trip(sync):
+    """The guard saves its own state only; with the optimizer's, training resumes exactly."""
     batches = _batches(6)
     stream = [batches[0], _corrupt(batches[1], "big"), *batches[2:]]
-
-    def sched(opt):
-        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if sync else None
-
     model = _model()
     opt = _adamw(model.parameters())
-    guard = StepGuard(opt, threshold=20.0, sync=sync, scheduler=sched(opt))
+    guard = StepGuard(opt, threshold=20.0, sync=sync)
     for batch in stream[:3]:
         _backward(model, batch)
         guard.step()
         guard.zero_grad()
     buffer = io.BytesIO()
-    torch.save(guard.state_dict(), buffer)  # a real checkpoint: no tensor shared
+    torch.save({"guard": guard.state_dict(), "opt": opt.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
+    assert "optimizer" not in saved["guard"] and "state" not in saved["guard"]
 
     clone = _model()
     clone.load_state_dict(model.state_dict())
     clone_opt = _adamw(clone.parameters())
-    clone_guard = StepGuard(clone_opt, threshold=20.0, sync=sync, scheduler=sched(clone_opt))
-    clone_guard.load_state_dict(saved)
-    assert clone_guard.history == guard.history
-    assert clone_guard.skipped == 1
-    for g in (guard, clone_guard):
-        m = model if g is guard else clone
+    clone_opt.load_state_dict(saved["opt"])
+    clone_guard = StepGuard(clone_opt, threshold=20.0, sync=sync)
+    clone_guard.load_state_dict(saved["guard"])
+    assert (clone_guard.num_steps, clone_guard.skipped, clone_guard.taken) == (3, 1, 2)
+    for g, m in ((guard, model), (clone_guard, clone)):
         for batch in stream[3:]:
             _backward(m, batch)
             g.step()
             g.zero_grad()
     _assert_identical(model, opt, clone, clone_opt)
-    assert clone_guard.history == guard.history
-    if sync:
-        assert clone_guard.scheduler.last_epoch == guard.scheduler.last_epoch
-        with pytest.raises(ValueError, match="scheduler"):
-            StepGuard(_adamw(_model().parameters())).load_state_dict(saved)
+    assert clone_guard.last == guard.last
 
 
 # ------------------------------------------------------------------------- misuse
@@ -590,7 +583,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="optimizer"):
         StepGuard(list(_model().parameters()))
     with pytest.raises(ValueError, match="mode"):
-        StepGuard(opt, mode="skip")
+        StepGuard(opt, mode="drop")
     with pytest.raises(ValueError, match="by"):
         StepGuard(opt, by="l2")
     for bad in (-1.0, math.nan, "1", None, True):
@@ -607,7 +600,7 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("sync", [True, False])
 def test_step_without_gradients_says_so(sync):
     model = _model()
-    guard = StepGuard(_adam(model.parameters()), sync=sync)
+    guard = StepGuard(_adam(model.parameters()), sync=sync, history=2)
     with pytest.raises(RuntimeError, match=r"no gradient.*backward"):
         guard.step()
     assert guard.history == [] and guard.num_steps == 0
@@ -625,7 +618,7 @@ def test_step_without_gradients_says_so(sync):
 )
 @pytest.mark.parametrize("keep", [True, False])
 def test_device_select_is_bit_exact(dtype, keep):
-    from gradlab.skip import _select_
+    from gradlab._transaction import _select_
 
     new = torch.tensor([0.0, -0.0, math.nan, math.inf, -1.5, 3.0]).to(dtype)
     old = torch.tensor([-0.0, 0.0, 2.0, math.nan, -math.inf, 7.0]).to(dtype)

@@ -151,7 +151,7 @@ def drift_after_bad_batch(
     def train(kind: str) -> tuple[list[torch.Tensor], list[float], int | None]:
         model = demos.small_mlp(_D_IN, _HIDDEN, 1, seed=seed)
         opt = make_optimizer(optimizer, model.parameters(), beta, weight_decay)
-        guard = gradlab.StepGuard(opt, mode="ignore", threshold=_THRESHOLD)
+        guard = gradlab.StepGuard(opt, mode="skip", threshold=_THRESHOLD)
         stream = clean if kind == "reference" else [*clean[:_WARMUP], bad, *clean[_WARMUP:]]
         snapshots, norms, count = [], [], None
         for i, (xb, yb) in enumerate(stream):
@@ -214,7 +214,7 @@ def host_reads_per_step(
     """Count the host reads inside each ``guard.step()`` of a short run.
 
     Args:
-        sync: passed to :class:`gradlab.StepGuard` (``mode="ignore"``).
+        sync: passed to :class:`gradlab.StepGuard` (``mode="skip"``).
         steps: how many steps.
         bad_at: steps whose batch is corrupted (targets 1000 times too large).
         optimizer: ``params -> Optimizer``; default SGD with momentum 0.9, which
@@ -227,7 +227,9 @@ def host_reads_per_step(
     x, y = demos.regression_data(steps * _BATCH, d_in=_D_IN, seed=seed)
     model = demos.small_mlp(_D_IN, _HIDDEN, 1, seed=seed)
     make = optimizer or (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
-    guard = gradlab.StepGuard(make(model.parameters()), threshold=_THRESHOLD, sync=sync)
+    guard = gradlab.StepGuard(
+        make(model.parameters()), threshold=_THRESHOLD, sync=sync, history=steps
+    )
     counts = []
     for i, (xb, yb) in enumerate(zip(x.split(_BATCH), y.split(_BATCH), strict=True)):
         demos.backward(model, xb, yb * (_BAD_SCALE if i in bad_at else 1.0))

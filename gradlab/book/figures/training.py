@@ -12,7 +12,7 @@ gradient are compared on the *same* batches (paired by seed):
 ``ignore_norm``   :func:`gradlab.grad_ignore_norm_` at ``tau_norm``, then ``optimizer.step()``
                   (the gradient is zeroed, the momentum buffer still moves the weights);
 ``ignore_value``  :func:`gradlab.grad_ignore_value_` at ``tau_value``, then the step;
-``skip``          :class:`gradlab.skip.StepGuard` in ``mode="ignore"``: the step is not taken.
+``skip``          :class:`gradlab.skip.StepGuard` in ``mode="skip"``: the step is not taken.
 
 Thresholds are *matched* by calibration: ``tau_norm`` and ``tau_value`` are the same
 percentile of the total 2-norm and of the largest absolute entry, measured on clean
@@ -37,6 +37,7 @@ from torch import Tensor, nn
 import gradlab
 from gradlab.book.demos import regression_data, small_mlp
 from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_figure
+from gradlab.skip import StepGuard
 
 __all__ = [
     "METHODS",
@@ -220,9 +221,11 @@ def train_run(
     optimizer = torch.optim.SGD(params, lr=setup.lr, momentum=setup.momentum)
     guard = None
     if method == "skip":
-        from gradlab.skip import StepGuard
-
-        guard = StepGuard(optimizer, mode="ignore", by="norm", threshold=tau_norm)
+        # No limit on consecutive skips: the book's sweeps include thresholds that skip
+        # (nearly) every step on purpose.
+        guard = StepGuard(
+            optimizer, mode="skip", by="norm", threshold=tau_norm, max_consecutive_skips=None
+        )
 
     schedule = corruption_schedule(setup.steps, rate, seed)
     order = _batch_order(setup, seed)
