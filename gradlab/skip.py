@@ -42,7 +42,7 @@ import numbers
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,6 +50,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import optimizer as _optim_module
 
 from gradlab._transaction import Transaction
+from gradlab.adaptive import ThresholdPolicy
 from gradlab.clip import EPS, _check_norm_type, _check_threshold, get_total_norm
 
 __all__ = ["DECISIONS", "SkipLimitError", "StepGuard", "StepRecord", "ThresholdPolicy"]
@@ -65,26 +66,6 @@ _STATE_KEYS = frozenset({"num_steps", "counts", "consecutive_skips", "threshold"
 
 class SkipLimitError(RuntimeError):
     """Raised when a :class:`StepGuard` skips more than ``max_consecutive_skips`` steps in a row."""
-
-
-@runtime_checkable
-class ThresholdPolicy(Protocol):
-    """What ``threshold=`` and ``loss_threshold=`` accept besides a number.
-
-    ``threshold(stat)`` returns the 0-dim threshold for this step and has no side
-    effects (the guard may call it inside a compiled region); ``update(stat, accepted)``
-    is called once per step after the decision, ``accepted`` a 0-dim bool tensor (the
-    step was taken). Neither may read tensors on the host if the guard is to stay
-    sync-free.
-    """
-
-    def threshold(self, stat: Tensor) -> Tensor: ...
-
-    def update(self, stat: Tensor, accepted: Tensor) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 # ------------------------------------------------------------------------- records
