@@ -2,10 +2,18 @@
 
 1. *Notation*: the book defines its MathJax macros once, under ``mathjax3_config`` in
    ``_config.yml``. A notebook opened in JupyterLab or Colab never sees that file, so
-   each notebook starts with a markdown cell of ``\\newcommand`` definitions generated
-   from it.
-2. *Setup*: a code cell that installs ``gradlab`` when the kernel lacks it (Colab, or a
-   Binder image), so the launch buttons open notebooks that run.
+   each notebook starts with a markdown cell generated from it: a YAML front matter
+   ``math:`` block, which jupyterlab-myst (KaTeX) applies to every cell of the
+   notebook, then the same macros as ``\\def`` lines for MathJax (plain JupyterLab,
+   Colab), where they stay defined for the cells below. ``\\def`` and not
+   ``\\newcommand``: KaTeX refuses to ``\\newcommand`` a macro it already has.
+2. *Setup*: a code cell that makes ``gradlab`` importable in a fresh kernel, so the
+   launch buttons open notebooks that run. Where gradlab is importable (a local clone
+   with the project installed) it does nothing and prints nothing (nbval compares
+   that empty output). In a clone where it is not installed (Binder, whose image has
+   the requirements) it puts the clone on ``sys.path``; elsewhere (Colab) it
+   pip-installs ``gradlab[book]`` from the repository, and if that fails (offline, say)
+   it prints one sentence saying what to do instead of pip's traceback.
 
 Both cells have the ``remove-cell`` tag: the built book, which has the macros and the
 package already, leaves them out. Run after changing a macro:
@@ -16,6 +24,7 @@ header is missing or stale (``--check``). Re-execute the notebooks you changed.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -26,11 +35,27 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- notation: generated from _config.yml by gradlab/book/headers.py -->"
 HEADER_IDS = ("notation", "setup")
 SETUP_SOURCE = """\
-# Colab, Binder or any fresh kernel: install gradlab if it is missing.
+# A fresh kernel (Colab, Binder): make gradlab importable. Silent if it is.
 import importlib.util
+import pathlib
+import subprocess
+import sys
 
 if importlib.util.find_spec("gradlab") is None:
-    %pip install --quiet "gradlab[book] @ git+https://github.com/gradlab/gradlab"\
+    here = pathlib.Path.cwd().resolve()
+    roots = (here, *here.parents)
+    clone = [p for p in roots if (p / "gradlab" / "__init__.py").is_file()]
+    url = "git+https://github.com/gradlab/gradlab"
+    pip = [sys.executable, "-m", "pip", "install", "-q", f"gradlab[book]@{url}"]
+    if clone:  # a clone of the repository (Binder): use its code
+        sys.path.insert(0, str(clone[0]))
+    elif subprocess.run(pip, capture_output=True).returncode == 0:  # Colab
+        importlib.invalidate_caches()
+    else:
+        print(
+            f"Could not install gradlab from {url} (offline?): clone that "
+            "repository and run pip install -e '.[book]' in it."
+        )\
 """
 
 
@@ -38,14 +63,16 @@ def macro_cell_source(config_path: Path = ROOT / "_config.yml") -> str:
     """The markdown of the notation cell, from the book's MathJax macros."""
     config = yaml.safe_load(config_path.read_text())
     macros = config["sphinx"]["config"]["mathjax3_config"]["tex"]["macros"]
+    front = ["---", "math:"]
     lines = [MARKER]
     for name, body in macros.items():
-        if isinstance(body, list):
-            definition, arity = body
-            lines.append(f"$\\newcommand{{\\{name}}}[{arity}]{{{definition}}}$")
-        else:
-            lines.append(f"$\\newcommand{{\\{name}}}{{{body}}}$")
-    return "\n".join(lines)
+        definition, arity = body if isinstance(body, list) else (body, 0)
+        front.append(f"  '\\{name}': {json.dumps(definition)}")
+        params = "".join(f"#{k}" for k in range(1, arity + 1))
+        lines.append(f"$\\def\\{name}{params}{{{definition}}}$")
+    # The blank line before the closing "---" makes it a rule, not a setext heading
+    # of the YAML, in a renderer without front matter (Colab, plain JupyterLab).
+    return "\n".join([*front, "", "---", *lines])
 
 
 def notebooks(root: Path = ROOT) -> list[Path]:

@@ -5,6 +5,7 @@ Usage (from the repository root)::
     .venv/bin/python -m gradlab.book.student_edition OUTDIR            # notebooks and HTML
     .venv/bin/python -m gradlab.book.student_edition OUTDIR --no-html  # notebooks only (fast)
     .venv/bin/python -m gradlab.book.student_edition OUTDIR --keep-marked-code  # for nbgrader/otter
+    .venv/bin/python -m gradlab.book.student_edition OUTDIR --no-html --pdf  # + OUTDIR/pdf/
 
 It writes
 
@@ -259,6 +260,11 @@ def strip_notebook(nb, where: str = "", *, stub_code: bool = True) -> tuple[obje
             if stub_code:
                 cell.source = source
             _clear(cell)
+            # The instructor notebook folds a gated solution's code in JupyterLab
+            # (gradlab.book.myst_compat); the student's stub is there to be filled in.
+            cell.metadata.get("jupyter", {}).pop("source_hidden", None)
+            if cell.metadata.get("jupyter") == {}:
+                del cell.metadata["jupyter"]
             report.stubbed_cells.append(cell_id)
         elif after_gated or _CHECK_CALL.search(cell.source):
             _clear(cell)
@@ -392,6 +398,38 @@ def build_html(root: Path, html_out: Path, *, quiet: bool = False) -> None:
         shutil.copytree(built, html_out)
 
 
+# -------------------------------------------------------------------------- PDF
+
+#: Where ``--pdf`` writes the student PDF and the XeLaTeX log (tests/pdf reads both).
+PDF_NAME = "gradlab-student.pdf"
+
+
+def build_pdf(root: Path, pdf_out: Path, *, quiet: bool = False) -> Path:
+    """Build the student PDF (XeLaTeX) from a temporary stripped copy of ``root``.
+
+    Same copy as :func:`build_html` (solutions removed, ``hide_solutions: true``), built
+    with ``--builder pdflatex``; writes ``pdf_out/gradlab-student.pdf`` and its ``.log``.
+    Needs texlive (see ``scripts/build_pdf.sh``).
+    """
+    with tempfile.TemporaryDirectory(prefix="gradlab-student-pdf-") as tmp:
+        project = prepare_build_copy(root, Path(tmp))
+        command = [*_jupyter_book(), "build", str(project), "--builder", "pdflatex"]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=project)
+        if not quiet or result.returncode:
+            sys.stdout.write(result.stdout[-4000:])
+            sys.stderr.write(result.stderr[-4000:])
+        built = sorted((project / "_build" / "latex").glob("*.pdf"))
+        if result.returncode or len(built) != 1:
+            raise StudentEditionError(f"jupyter-book PDF build failed (exit {result.returncode})")
+        pdf_out.mkdir(parents=True, exist_ok=True)
+        target = pdf_out / PDF_NAME
+        shutil.copyfile(built[0], target)
+        log = built[0].with_suffix(".log")
+        if log.exists():
+            shutil.copyfile(log, target.with_suffix(".log"))
+        return target
+
+
 # -------------------------------------------------------------------------- CLI
 
 
@@ -427,6 +465,12 @@ def main(argv: list[str] | None = None) -> int:
         "solution markers, for nbgrader or otter-grader to replace",
     )
     parser.add_argument(
+        "--pdf",
+        action="store_true",
+        help=f"also build the student PDF, OUTDIR/pdf/{PDF_NAME} (needs texlive; "
+        "see scripts/build_pdf.sh)",
+    )
+    parser.add_argument(
         "--root", type=Path, default=ROOT, help="the project root (default: this repository)"
     )
     args = parser.parse_args(argv)
@@ -434,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root.resolve()
     if out_dir == root or (root / "book") in (out_dir, *out_dir.parents):
         parser.error("OUTDIR must not be the project itself or lie inside book/")
-    if out_dir.exists() and any(p.name not in ("notebooks", "html") for p in out_dir.iterdir()):
+    if out_dir.exists() and any(
+        p.name not in ("notebooks", "html", "pdf") for p in out_dir.iterdir()
+    ):
         parser.error(f"{out_dir} holds other files: choose an empty or new folder")
     try:
         reports = build_student_edition(
@@ -443,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             html=not (args.no_html or args.keep_marked_code),
             stub_code=not args.keep_marked_code,
         )
+        pdf = build_pdf(root, out_dir / "pdf") if args.pdf else None
     except StudentEditionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -455,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Student notebooks: {out_dir / 'notebooks'}")
     if not (args.no_html or args.keep_marked_code):
         print(f"Student HTML: {out_dir / 'html' / 'index.html'}")
+    if pdf is not None:
+        print(f"Student PDF: {pdf}")
     return 0
 
 

@@ -127,6 +127,30 @@ def test_gated_markdown_spans_cells_and_must_end():
         se.strip_markdown_file("```{solution-start} e1\n```\nno end")
 
 
+def test_stubs_are_unfolded_for_the_student():
+    """gradlab.book.myst_compat folds a gated solution's code for JupyterLab; the stub
+    that replaces it in the student edition is shown."""
+    solution = new_code_cell("def f():\n    ### BEGIN SOLUTION\n    pass\n    ### END SOLUTION")
+    solution.metadata["jupyter"] = {"source_hidden": True}
+    kept = new_code_cell("print(1)")
+    kept.metadata["jupyter"] = {"source_hidden": True, "outputs_hidden": False}
+    nb = new_notebook(
+        cells=[
+            new_markdown_cell(":::{exercise}\n:label: e1\nDo.\n:::"),
+            new_markdown_cell("```{solution-start} e1\n:class: dropdown\n```"),
+            solution,
+            new_markdown_cell("```{solution-end}\n```"),
+            kept,
+        ]
+    )
+    student, report = se.strip_notebook(nb)
+    stub = next(c for c in student.cells if c.get("id") == solution.id)
+    assert report.stubbed_cells == [solution.id]
+    assert "raise NotImplementedError" in stub.source and "jupyter" not in stub.metadata
+    assert student.cells[-1].metadata["jupyter"]["source_hidden"] is True  # not a solution
+    assert solution.metadata["jupyter"] == {"source_hidden": True}  # the input is untouched
+
+
 # ------------------------------------------------------------- fixture book
 
 
