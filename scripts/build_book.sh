@@ -7,7 +7,9 @@
 #     apt-get on Debian or Ubuntu as root; elsewhere one sentence says what to install),
 #     and the local copies of the CDN files the pages load (npm ci in tests/browser);
 #  3. the HTML book in _build/html, from the notebooks' committed outputs, warnings as
-#     errors. The tests re-execute every notebook and compare those outputs (nbval).
+#     errors. The tests re-execute every notebook and compare those outputs (nbval);
+#  4. the PDF edition and the student edition's PDF in _build/pdf (scripts/build_pdf.sh,
+#     which installs TeX Live the same way). GRADLAB_PDF=0 leaves the PDFs out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -30,4 +32,8 @@ fi
 
 rm -rf _build/html
 .venv/bin/jupyter-book build . -W -n --keep-going
-echo "The book is in _build/html/index.html (set-up and build: $((SECONDS - start)) s)"
+echo "The book is in _build/html/index.html"
+if [ "${GRADLAB_PDF:-1}" != 0 ]; then
+  bash scripts/build_pdf.sh
+fi
+echo "Set-up and build: $((SECONDS - start)) s"

@@ -7,14 +7,14 @@
 #   book       tests/book (figures, exercise checks, student edition) and nbval, strict,
 #              on every notebook under book/
 #   browser    tests/browser: the built site in Chromium
-#
+#   pdf        tests/pdf: the PDF edition and the student PDF
 # `bash scripts/test.sh library book` runs only the suites named. Each suite's time is
 # printed at the end, then one line with the counts of all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 suites=("$@")
-[ ${#suites[@]} -gt 0 ] || suites=(lint library packaging book browser)
+[ ${#suites[@]} -gt 0 ] || suites=(lint library packaging book browser pdf)
 wants() { [[ " ${suites[*]} " == *" $1 "* ]]; }
 
 # Everything a suite needs is checked before any test runs.
@@ -26,6 +26,9 @@ if wants browser; then
   [ -z "$missing" ] || problems+=("the browser tests need $missing: run 'bash scripts/build_book.sh' as root on Debian/Ubuntu, or install them")
   [ -f _build/html/index.html ] || problems+=("the book is not built: run 'bash scripts/build_book.sh'")
   [ -d tests/browser/node_modules ] || problems+=("tests/browser/node_modules is missing: run 'bash scripts/build_book.sh' (npm ci)")
+fi
+if wants pdf && ! { [ -f _build/pdf/gradlab.pdf ] && [ -f _build/pdf/gradlab-student.pdf ]; }; then
+  problems+=("the PDF edition is not built: run 'bash scripts/build_book.sh' (or scripts/build_pdf.sh)")
 fi
 if [ ${#problems[@]} -gt 0 ]; then
   printf 'Cannot run the tests: %s.\n' "${problems[@]}" >&2
@@ -60,6 +63,7 @@ wants packaging && run_suite packaging tests/packaging
 wants book && run_suite book -n 2 --dist loadfile tests/book book \
   --nbval --nbval-current-env --nbval-sanitize-with tests/book/nbval_sanitize.cfg
 wants browser && run_suite browser tests/browser
+wants pdf && run_suite pdf tests/pdf
 
 printf '%s\n' "== suite times:" "${timings[@]}"
 if compgen -G "$results/*.xml" >/dev/null; then
