@@ -12,12 +12,29 @@
   use). sphinx-thebe adds ``const THEBE_JS_URL = ...`` that way, so every page threw
   "Identifier 'THEBE_JS_URL' has already been declared". The duplicates are dropped
   before each page is written.
+* A first-time reader (nothing in localStorage) met "Got invalid theme mode: . Resetting
+  to auto." on every page: pydata-sphinx-theme takes its fallback mode from the template
+  variable ``default_mode`` (``html_context`` in _config.yml), which Jupyter Book leaves
+  unset, so its head script set ``data-mode=""``. _config.yml now sets it to ``auto``; a
+  small head script (``_THEME_JS``) also resolves ``auto`` to ``light``/``dark`` before
+  the first paint, which the theme only does in a deferred script.
+* Accessibility (axe-core, tests/browser): two theme components give buttons a name that
+  leaves out their visible text (the search field's "Ctrl+K", the colour-mode icons'
+  titles), and docutils marks bibliography entries ``role="doc-biblioentry"`` (deprecated)
+  inside a ``role="list"`` that then has no list items. The components are patched as they
+  are loaded (``_COMPONENT_PATCHES``) and the role is replaced in each page's body.
+* Figures of notebook outputs come through MyST-NB with their file name as ``alt``. Each
+  one drawn by a figure function of ``gradlab.book`` (the last expression of its cell)
+  gets that function's docstring, which says what the figure shows.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import platform
+import re
 from datetime import datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -110,9 +127,156 @@ def _drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> No
     scripts[:] = unique
 
 
+# ----------------------------------------------------------------------------- theme mode
+
+# Runs in <head> right after the theme's own mode script: a mode the theme would reject is
+# made "auto", and "auto" is resolved now, so the first paint already has the right colours.
+_THEME_JS = """
+(function () {
+  var root = document.documentElement;
+  var modes = ['auto', 'light', 'dark'];
+  if (modes.indexOf(root.dataset.mode) < 0) { root.dataset.mode = 'auto'; }
+  if (root.dataset.theme !== 'light' && root.dataset.theme !== 'dark') {
+    var dark = window.matchMedia && window.matchMedia('(prefers-color-scheme: dark)').matches;
+    root.dataset.theme = root.dataset.mode === 'auto' ? (dark ? 'dark' : 'light')
+                                                      : root.dataset.mode;
+  }
+})();
+""".strip()
+
+
+# ----------------------------------------------------------------------------- accessibility
+
+_COMPONENT_PATCHES = {
+    # The colour-mode icons' titles ("Light", "Dark", ...) become the visible text of a
+    # button named "Color mode"; make the icons decorative (Font Awesome then hides them).
+    "theme-switcher.html": (
+        r'(<i class="theme-switch [^>]*?)\s+title="[^"]*"',
+        r'\1 aria-hidden="true"',
+    ),
+    # The search field reads "Search Ctrl+K" but is named "Search": let its text name it.
+    "search-button-field.html": (
+        r'(<button class="btn search-button-field[^>]*?)\s+aria-label="[^"]*"',
+        r"\1",
+    ),
+}
+
+
+class _PatchedComponents:
+    """A template loader that serves the theme's own components, patched."""
+
+    def __init__(self, loaders: list) -> None:
+        self.loaders = loaders  # the builder's loaders, searched after this one
+
+    def get_source(self, environment, template):
+        from jinja2 import TemplateNotFound
+
+        patch = _COMPONENT_PATCHES.get(template)
+        if patch is None:
+            raise TemplateNotFound(template)
+        for loader in self.loaders:
+            if loader is self:
+                continue
+            try:
+                source, filename, uptodate = loader.get_source(environment, template)
+            except TemplateNotFound:
+                continue
+            return re.sub(patch[0], patch[1], source), filename, uptodate
+        raise TemplateNotFound(template)
+
+
+def _patch_components(app) -> None:
+    templates = getattr(app.builder, "templates", None)
+    loaders = getattr(templates, "loaders", None)
+    if not isinstance(loaders, list):
+        return
+    loaders.insert(0, _PatchedComponents(loaders))
+    templates.templatepathlen = getattr(templates, "templatepathlen", 0) + 1
+
+
+def _fix_bibliography_roles(app, pagename, templatename, context, doctree) -> None:
+    body = context.get("body")
+    if body and 'role="doc-biblioentry"' in body:
+        context["body"] = body.replace('role="doc-biblioentry"', 'role="listitem"')
+
+
+# ----------------------------------------------------------------------------- figure alt
+
+_FIGURE_DOCS: dict[str, str] | None = None
+
+
+def _figure_docs() -> dict[str, str]:
+    """First paragraph of the docstring of every function of gradlab.book, by name."""
+    global _FIGURE_DOCS
+    if _FIGURE_DOCS is None:
+        _FIGURE_DOCS = {}
+        spec = importlib.util.find_spec("gradlab")  # finds the package without importing it
+        roots = [Path(p) / "book" for p in (spec.submodule_search_locations or [])] if spec else []
+        for root in roots:
+            for module in sorted(root.rglob("*.py")):
+                try:
+                    tree = ast.parse(module.read_text(encoding="utf-8"))
+                except (OSError, SyntaxError, ValueError):
+                    continue
+                for node in tree.body:
+                    if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                        doc = ast.get_docstring(node)
+                        if doc:
+                            first = doc.split("\n\n")[0]
+                            _FIGURE_DOCS.setdefault(node.name, " ".join(first.split()))
+    return _FIGURE_DOCS
+
+
+def _called_function(source: str) -> str | None:
+    """The name of the function the last expression of a code cell calls, if any."""
+    lines = [line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))]
+    try:
+        tree = ast.parse("\n".join(lines))
+    except SyntaxError:
+        return None
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return None
+    call = tree.body[-1].value
+    if not isinstance(call, ast.Call):
+        return None
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+
+def _figure_alts(app, doctree, docname) -> None:
+    from docutils import nodes
+
+    for image in list(doctree.findall(nodes.image)):
+        if image.get("alt"):
+            continue
+        cell = image.parent
+        while cell is not None and cell.get("nb_element") != "cell_code":
+            cell = cell.parent
+        if cell is None:
+            continue
+        sources = [
+            block.astext()
+            for part in cell.children
+            if part.get("nb_element") == "cell_code_source"
+            for block in part.findall(nodes.literal_block)
+        ]
+        name = _called_function(sources[0]) if sources else None
+        doc = _figure_docs().get(name) if name else None
+        if doc:
+            image["alt"] = f"Figure: {doc}"
+
+
 def setup(app):
     # After sphinx-external-toc has read _toc.yml into the config.
     app.connect("config-inited", _add_substitutions, priority=900)
     # Late, after every other extension has added its page scripts.
     app.connect("html-page-context", _drop_duplicate_scripts, priority=900)
-    return {"parallel_read_safe": True, "parallel_write_safe": True}
+    app.connect("html-page-context", _fix_bibliography_roles)
+    app.connect("builder-inited", _patch_components)
+    app.connect("doctree-resolved", _figure_alts)
+    # In <head>, before the page is drawn (added here, before the builder starts, so
+    # Sphinx 7.4 writes it once).
+    app.add_js_file(None, body=_THEME_JS, priority=100)
+    # env_version: a new version makes Sphinx re-read every page, so no page keeps a cached
+    # doctree or HTML from before a change here.
+    return {"parallel_read_safe": True, "parallel_write_safe": True, "env_version": 2}

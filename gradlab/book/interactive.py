@@ -130,6 +130,20 @@ class Explorable:
     def default_index(self) -> tuple[int, ...]:
         return tuple(c.default_index for c in self.controls)
 
+    @property
+    def base_alt(self) -> str:
+        """What the figure shows, without the values of its controls."""
+        return self.alt or self.figure_fn.__name__.replace("_", " ")
+
+    def alt_at(self, index: Sequence[int]) -> str:
+        """The text alternative of the frame at ``index``: what the figure shows and where
+        each control stands, e.g. ``"Loss curves (max_norm = 1.0, seed = 3)."``. The page's
+        script writes the same text when a slider moves."""
+        where = ", ".join(
+            f"{c.text} = {c.show(c.values[i])}" for c, i in zip(self.controls, index, strict=True)
+        )
+        return f"{self.base_alt.rstrip('.')} ({where})." if where else self.base_alt
+
     # ------------------------------------------------------------------ static page
 
     def to_html(self) -> str:
@@ -142,23 +156,25 @@ class Explorable:
         rows = []
         for control in self.controls:
             labels = json.dumps([control.show(v) for v in control.values])
+            shown = html.escape(control.show(control.values[control.default_index]))
             rows.append(
                 '<label class="gradlab-control">'
                 f'<span class="gradlab-control-name">{html.escape(control.text)}</span> '
                 f'<input type="range" min="0" max="{len(control.values) - 1}" step="1" '
                 f'value="{control.default_index}" data-control="{control.name}" '
                 f"data-labels='{html.escape(labels, quote=True)}' "
-                f'aria-label="{html.escape(control.text)}"> '
-                f'<output class="gradlab-control-value">'
-                f"{html.escape(control.show(control.values[control.default_index]))}</output>"
+                f'aria-label="{html.escape(control.text)}" aria-valuetext="{shown}"> '
+                f'<output class="gradlab-control-value">{shown}</output>'
                 "</label>"
             )
-        alt = html.escape(self.alt or self.figure_fn.__name__.replace("_", " "))
+        alt = html.escape(self.base_alt)
         return (
-            '<div class="gradlab-explorable" style="background:#fff;color:#222;'
+            '<div class="gradlab-explorable" role="group" '
+            f'aria-label="{alt}" style="background:#fff;color:#222;'
             'padding:0.5em;border-radius:4px;max-width:100%">'
             f'<div class="gradlab-controls">{"".join(rows)}</div>'
-            f'<img class="gradlab-frame" alt="{alt}" style="max-width:100%" '
+            f'<img class="gradlab-frame" alt="{html.escape(self.alt_at(self.default_index))}" '
+            f'data-alt="{alt}" style="max-width:100%" '
             f'src="data:image/png;base64,{frames[first]}">'
             f'<script type="application/json" class="gradlab-frames">{json.dumps(frames)}'
             "</script>"
@@ -242,19 +258,23 @@ def _in_kernel() -> bool:
 
 # Wires the sliders of the enclosing .gradlab-explorable to its frames. Written
 # without globals or ids, so several figures can share a page.
-_PLAYER_JS = """
+_PLAYER_JS = r"""
 (function () {
   var root = document.currentScript.parentElement;
   var frames = JSON.parse(root.querySelector('script.gradlab-frames').textContent);
   var img = root.querySelector('img.gradlab-frame');
   var inputs = Array.prototype.slice.call(root.querySelectorAll('input[data-control]'));
+  var alt = img.getAttribute('data-alt') || img.alt;
   function update() {
     var key = inputs.map(function (el) { return el.value; }).join('-');
     img.src = 'data:image/png;base64,' + frames[key];
-    inputs.forEach(function (el) {
-      var labels = JSON.parse(el.getAttribute('data-labels'));
-      el.parentElement.querySelector('output').textContent = labels[Number(el.value)];
+    var where = inputs.map(function (el) {
+      var text = JSON.parse(el.getAttribute('data-labels'))[Number(el.value)];
+      el.parentElement.querySelector('output').textContent = text;
+      el.setAttribute('aria-valuetext', text);
+      return el.getAttribute('aria-label') + ' = ' + text;
     });
+    img.alt = where.length ? alt.replace(/\.$/, '') + ' (' + where.join(', ') + ').' : alt;
   }
   inputs.forEach(function (el) { el.addEventListener('input', update); });
 })();

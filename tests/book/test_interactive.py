@@ -111,3 +111,23 @@ def test_book_style_makes_figures_opaque():
     pixels = decode_png(png_bytes(fig))
     if pixels.shape[-1] == 4:
         assert np.all(pixels[..., 3] == 1.0)
+
+
+def test_static_html_describes_the_figure_at_its_values():
+    """The frame's alt says what the figure shows and where each slider stands; each
+    slider announces its value label, not its index (aria-valuetext)."""
+    fig = explore(
+        line_figure,
+        Control("slope", [-1, 0, 1], label="slope a", fmt="{:+d}"),
+        Control("offset", [0.0, 2.0], default=2.0),
+        alt="A straight line.",
+    )
+    page = fig.to_html()
+    img = re.search(r'<img class="gradlab-frame"[^>]*>', page).group(0)
+    assert 'alt="A straight line (slope a = +0, offset = 2.0)."' in img
+    assert 'data-alt="A straight line."' in img, "the page's script rebuilds alt from this"
+    assert fig.alt_at((2, 0)) == "A straight line (slope a = +1, offset = 0.0)."
+    assert re.findall(r'aria-valuetext="([^"]*)"', page) == ["+0", "2.0"]
+    assert 'role="group" aria-label="A straight line."' in page
+    unnamed = explore(line_figure, Control("slope", [1, 2]))
+    assert unnamed.alt_at((0,)) == "line figure (slope = 1)."

@@ -34,6 +34,13 @@ CHROMIUM_ARGS = [
     "--mute-audio",
 ]
 
+# Browser windows: a desktop one, and a phone held upright (an iPhone 12-15's CSS width).
+DESKTOP = {"width": 1200, "height": 900}
+PHONE = {"width": 390, "height": 844}
+
+# axe-core, served from node_modules like MathJax and injected into each page.
+AXE_JS = NODE_MODULES / "axe-core" / "axe.min.js"
+
 # Files the pages load from CDNs, answered from tests/browser/node_modules.
 # https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js -> node_modules/mathjax/es5/...
 _CDN = re.compile(
@@ -48,6 +55,8 @@ REPORT: dict = {
     "heaviest_files": {},
     "blocked": {},
     "screenshots": 0,
+    # (mode, rule, impact) -> [pages], every axe-core violation of every page
+    "axe": {},
 }
 
 

@@ -28,6 +28,7 @@ import pytest
 from booksite import (
     CHROMIUM,
     CHROMIUM_ARGS,
+    DESKTOP,
     HERE,
     NODE_MODULES,
     REPORT,
@@ -152,19 +153,39 @@ async () => {
 
 @pytest.fixture(scope="session")
 def open_page(browser, base_url, node_modules):
-    """open_page(doc, dark=False) -> Visit: the page loaded, typeset and settled."""
+    """open_page(doc, dark=False, first_visit=False, viewport=None) -> Visit: the page
+    loaded, typeset and settled.
 
-    def _open(doc: str, *, dark: bool = False, path: str | None = None) -> Visit:
+    By default the reader is a returning one whose colour mode (light, or dark with
+    ``dark=True``) is already in localStorage, as the theme's switch leaves it. With
+    ``first_visit=True`` the context starts with empty storage, as a first-time reader's
+    browser does (the system colour scheme is then light, or dark with ``dark=True``).
+    """
+
+    def _open(
+        doc: str,
+        *,
+        dark: bool = False,
+        path: str | None = None,
+        first_visit: bool = False,
+        viewport: dict | None = None,
+    ) -> Visit:
         context = browser.new_context(
-            viewport={"width": 1200, "height": 900},
+            viewport=viewport or DESKTOP,
             color_scheme="dark" if dark else "light",
             service_workers="block",
         )
         mode = "dark" if dark else "light"
-        context.add_init_script(
-            f"try {{ localStorage.setItem('mode', '{mode}');"
-            f" localStorage.setItem('theme', '{mode}'); }} catch (e) {{}}"
-        )
+        if first_visit:  # what the page found in storage before any of its scripts ran
+            context.add_init_script(
+                "try { window.__gradlabStoredBefore = localStorage.length; }"
+                " catch (e) { window.__gradlabStoredBefore = -1; }"
+            )
+        else:
+            context.add_init_script(
+                f"try {{ localStorage.setItem('mode', '{mode}');"
+                f" localStorage.setItem('theme', '{mode}'); }} catch (e) {{}}"
+            )
         page = context.new_page()
         url = base_url + (path if path is not None else html_path(doc))
         visit = Visit(doc=doc, url=url, page=page, context=context)
@@ -242,7 +263,7 @@ def screenshot_dir() -> Path:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     weights = REPORT["weights"]
-    if not weights and not REPORT["screenshots"] and not REPORT["blocked"]:
+    if not weights and not REPORT["screenshots"] and not REPORT["blocked"] and not REPORT["axe"]:
         return
     write = terminalreporter.write_line
     terminalreporter.section("gradlab browser tests")
@@ -254,7 +275,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
         )
         for file_size, name in REPORT["heaviest_files"].get(doc, []):
             write(f"    {file_size / 1e6:6.2f} MB  {name}")
+        write("every page, MB loaded (MB sent gzip-compressed):")
+        for doc, size in sorted(weights.items(), key=lambda item: -item[1]):
+            gz = REPORT["gzipped"].get(doc, 0)
+            write(f"    {size / 1e6:5.2f} ({gz / 1e6:4.2f})  {doc}")
     if REPORT["screenshots"]:
-        write(f"screenshots ({REPORT['screenshots']} files, light and dark): {SCREENSHOTS}")
+        write(f"screenshots ({REPORT['screenshots']} files, light, dark and phone): {SCREENSHOTS}")
+    if REPORT["axe"]:
+        write("axe-core violations (any impact; serious and critical ones fail their page):")
+        for (mode, rule, impact), docs in sorted(REPORT["axe"].items()):
+            write(f"    {mode:5} {impact:8} {rule}: {len(docs)} page(s), e.g. {docs[0]}")
     for url, count in sorted(REPORT["blocked"].items()):
         write(f"blocked external request ({count}x): {url}")

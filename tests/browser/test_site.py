@@ -3,8 +3,13 @@
 Every page of the table of contents is opened in Chromium from the built site
 (``scripts/build_book.sh``) and checked: it loads cleanly, its formulas are typeset, its
 images load, its exercise solutions stay hidden until asked for, its explorable figures
-answer their sliders, its links resolve, its figures stay readable in dark mode, it is
-not too heavy, and a notebook page offers Binder, Colab and a download of the notebook.
+answer their sliders (with the mouse's events and with the keyboard alone), its links
+resolve, its figures stay readable in dark mode and have text alternatives, it is not too
+heavy, and a notebook page offers Binder, Colab and a download of the notebook. Each page
+is opened by three readers: a returning one in light mode and one in dark mode (colour
+mode already in localStorage, 1200 px wide), and a first-time one on a phone (empty
+storage, 390 px wide). Every one of them must get a clean page with no serious or critical
+axe-core violation. The search page must find the right chapters.
 """
 
 from __future__ import annotations
@@ -18,7 +23,17 @@ from pathlib import Path
 from urllib.parse import unquote, urldefrag, urljoin, urlsplit
 
 import pytest
-from booksite import NODE_MODULES, SITE, TOC, gzipped_size, html_path, local_file, toc_docnames
+from booksite import (
+    AXE_JS,
+    NODE_MODULES,
+    PHONE,
+    SITE,
+    TOC,
+    gzipped_size,
+    html_path,
+    local_file,
+    toc_docnames,
+)
 from PIL import Image
 
 PAGES = toc_docnames(TOC)
@@ -33,25 +48,15 @@ FIGURE_IMAGES = (
 # ----------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(scope="session")
-def light_visits(open_page, screenshot_dir, report):
-    """Each page loaded once in light mode and screenshotted; what the checks need is kept
-    and the browser context closed. A page that cannot be loaded fails every check at once.
-    """
+def _cache(load):
+    """get(doc): ``load(doc)`` once per page. A page that cannot be loaded fails every check
+    that needs it at once, with the same error."""
     visits: dict = {}
 
     def get(doc: str):
         if doc not in visits:
             try:
-                visit = open_page(doc)
-                try:
-                    shot = screenshot_dir / _shot_name(doc, "light")
-                    visit.page.screenshot(path=shot, full_page=True)
-                    report["screenshots"] += 1
-                    visit.facts = visit.page.evaluate(_FACTS_JS)
-                finally:
-                    visit.close()
-                visits[doc] = visit
+                visits[doc] = load(doc)
             except Exception as error:  # remembered, so the other checks fail fast
                 visits[doc] = error
         if isinstance(visits[doc], Exception):
@@ -61,13 +66,78 @@ def light_visits(open_page, screenshot_dir, report):
     return get
 
 
+@pytest.fixture(scope="session")
+def light_visits(open_page, screenshot_dir, report):
+    """Each page loaded once in light mode by a returning reader, screenshotted and checked
+    by axe-core; what the checks need is kept and the browser context closed."""
+
+    def load(doc: str):
+        visit = open_page(doc)
+        try:
+            shot = screenshot_dir / _shot_name(doc, "light")
+            visit.page.screenshot(path=shot, full_page=True)
+            report["screenshots"] += 1
+            visit.facts = visit.page.evaluate(_FACTS_JS, FIGURE_IMAGES)
+            visit.axe = _axe(visit.page, doc, "light", report)
+        finally:
+            visit.close()
+        return visit
+
+    return _cache(load)
+
+
+@pytest.fixture(scope="session")
+def dark_visits(open_page, screenshot_dir, report):
+    """Each page loaded once in dark mode by a returning reader: screenshot, figure
+    readability, axe-core."""
+
+    def load(doc: str):
+        visit = open_page(doc, dark=True)
+        try:
+            visit.theme = visit.page.evaluate("document.documentElement.dataset.theme")
+            visit.unreadable, visit.background = _dark_figure_problems(
+                visit.page, screenshot_dir / _shot_name(doc, "dark")
+            )
+            report["screenshots"] += 1
+            visit.axe = _axe(visit.page, doc, "dark", report)
+        finally:
+            visit.close()
+        return visit
+
+    return _cache(load)
+
+
+@pytest.fixture(scope="session")
+def phone_visits(open_page, screenshot_dir, report):
+    """Each page opened once by a first-time reader on a phone: empty storage, 390 px wide.
+    Screenshot, colour mode, axe-core, sideways overflow, and every explorable figure
+    moved by the keyboard."""
+
+    def load(doc: str):
+        visit = open_page(doc, first_visit=True, viewport=PHONE)
+        try:
+            page = visit.page
+            visit.mode = page.evaluate(_MODE_JS)
+            page.screenshot(path=screenshot_dir / _shot_name(doc, "phone"), full_page=True)
+            report["screenshots"] += 1
+            visit.overflow = page.evaluate(_OVERFLOW_JS)
+            visit.explorables = page.locator(".gradlab-explorable").evaluate_all(_FIT_JS)
+            visit.keyboard = _keyboard_problems(page)
+            visit.axe = _axe(page, doc, "phone", report)
+        finally:
+            visit.close()
+        return visit
+
+    return _cache(load)
+
+
 def _shot_name(doc: str, mode: str) -> str:
     return f"{doc.replace('/', '__')}-{mode}.png"
 
 
 # Everything the passive checks need, read from the page after MathJax has run.
 _FACTS_JS = r"""
-() => {
+(figureSelector) => {
   const article = document.querySelector('article.bd-article') || document.body;
   const copy = article.cloneNode(true);
   copy.querySelectorAll('pre, code, script, style, textarea, mjx-container, .highlight')
@@ -91,6 +161,14 @@ _FACTS_JS = r"""
     links: Array.from(document.querySelectorAll('a[href]')).map((a) => a.href),
     solutions: document.querySelectorAll('div.solution').length,
     explorables: document.querySelectorAll('.gradlab-explorable').length,
+    figures: Array.from(document.querySelectorAll(figureSelector)).map((img) => ({
+      src: (img.getAttribute('src') || '').slice(0, 80), alt: img.getAttribute('alt') || '' })),
+    // each explorable's alt, and "slider name = value" for each of its sliders
+    explorableAlts: Array.from(document.querySelectorAll('.gradlab-explorable')).map((root) => ({
+      alt: root.querySelector('img.gradlab-frame').alt,
+      controls: Array.from(root.querySelectorAll('input[data-control]')).map((el) =>
+        `${el.getAttribute('aria-label')} = ${JSON.parse(el.dataset.labels)[Number(el.value)]}`),
+    })),
     theme: document.documentElement.dataset.theme,
   };
 }
@@ -197,10 +275,7 @@ def test_no_html_file_is_too_heavy(site):
 # ----------------------------------------------------------------------------- every page
 
 
-@pytest.mark.parametrize("doc", PAGES)
-def test_page_loads_cleanly(doc, light_visits):
-    visit = light_visits(doc)
-    assert visit.status == 200, f"{visit.url} answered {visit.status}"
+def _load_problems(visit) -> dict[str, list[str]]:
     problems = {
         "console errors": visit.console_errors,
         "uncaught errors": visit.page_errors,
@@ -208,8 +283,59 @@ def test_page_loads_cleanly(doc, light_visits):
         "HTTP errors": visit.bad_responses,
         "blocked external requests (add a local copy to package.json?)": visit.blocked,
     }
-    problems = {k: v for k, v in problems.items() if v}
-    assert not problems, f"{doc}: {problems}"
+    return {k: v for k, v in problems.items() if v}
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_page_loads_cleanly(doc, light_visits):
+    """A returning reader in light mode."""
+    visit = light_visits(doc)
+    assert visit.status == 200, f"{visit.url} answered {visit.status}"
+    assert not _load_problems(visit), f"{doc}: {_load_problems(visit)}"
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_page_loads_cleanly_in_dark_mode(doc, dark_visits):
+    """A returning reader in dark mode."""
+    visit = dark_visits(doc)
+    assert visit.status == 200, f"{visit.url} answered {visit.status}"
+    assert not _load_problems(visit), f"{doc}: {_load_problems(visit)}"
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_first_visit_is_clean(doc, phone_visits):
+    """A first-time reader: empty localStorage (the theme once logged "Got invalid theme
+    mode" here), on a phone. The theme falls back to the system's colour scheme."""
+    visit = phone_visits(doc)
+    assert visit.status == 200, f"{visit.url} answered {visit.status}"
+    assert not _load_problems(visit), f"{doc}: {_load_problems(visit)}"
+    mode = visit.mode
+    assert mode["storedBefore"] == 0, f"storage was not empty: {mode}"
+    assert mode["mode"] == "auto" and mode["theme"] == "light", f"colour mode: {mode}"
+
+
+def test_first_visit_follows_a_dark_system(open_page, browser, base_url):
+    """A first-time reader whose system is dark gets the dark theme, and from the first
+    paint: the book's head script sets it, not only the theme's deferred script."""
+    visit = open_page(PAGES[0], first_visit=True, dark=True)
+    try:
+        mode = visit.page.evaluate(_MODE_JS)
+        problems = _load_problems(visit)
+    finally:
+        visit.close()
+    assert not problems, f"{PAGES[0]}: {problems}"
+    assert mode["mode"] == "auto" and mode["theme"] == "dark", f"colour mode: {mode}"
+    context = browser.new_context(color_scheme="dark")
+    try:
+        page = context.new_page()
+        # Without the theme's own script (deferred, run after the page is parsed).
+        page.route("**/pydata-sphinx-theme.js*", lambda route: route.abort())
+        page.route(lambda url: not url.startswith(base_url), lambda route: route.abort())
+        page.goto(base_url + html_path(PAGES[0]), wait_until="domcontentloaded")
+        theme = page.evaluate("document.documentElement.dataset.theme")
+    finally:
+        context.close()
+    assert theme == "dark", f"before the theme's script runs the page is {theme!r}"
 
 
 @pytest.mark.parametrize("doc", PAGES)
@@ -363,14 +489,9 @@ def test_explorables_respond(doc, light_visits, open_page):
                 assert move["labelAfter"] != move["labelBefore"], f"{where}: label did not change"
                 assert move["labelAfter"] == move["expected"], f"{where}: wrong label"
                 assert move["width"] > 0, f"{where}: the new frame is not an image"
-            # And with the keyboard, as a reader without a mouse would.
-            slider = figure.locator("input[data-control]").first
-            image = figure.locator("img.gradlab-frame")
-            before = image.get_attribute("src")
-            at_end = slider.input_value() == slider.get_attribute("max")
-            slider.focus()
-            visit.page.keyboard.press("Home" if at_end else "End")
-            assert image.get_attribute("src") != before, f"explorable {i}: keyboard did nothing"
+        # And with the keyboard alone, as a reader without a mouse would.
+        problems = _keyboard_problems(visit.page)
+        assert not problems, f"explorables on {doc} with the keyboard: {problems}"
     finally:
         visit.close()
 
@@ -407,49 +528,65 @@ def _rgb(css: str) -> tuple[int, int, int]:
     return r, g, b
 
 
-@pytest.mark.parametrize("doc", PAGES)
-def test_dark_mode_figures_readable(doc, light_visits, open_page, screenshot_dir, report):
-    """In dark mode every figure keeps an opaque, light background."""
-    light_visits(doc)  # the light screenshot
-    visit = open_page(doc, dark=True)
-    try:
-        page = visit.page
-        assert page.evaluate("document.documentElement.dataset.theme") == "dark"
-        full = page.screenshot(path=screenshot_dir / _shot_name(doc, "dark"), full_page=True)
-        report["screenshots"] += 1
-        background = _rgb(page.evaluate("getComputedStyle(document.body).backgroundColor"))
-        assert sum(background) < 3 * 80, f"the page is not dark: background {background}"
-        unreadable = []
-        images = page.locator(FIGURE_IMAGES)
-        for i in range(images.count()):
-            img = images.nth(i)
-            name = (img.get_attribute("alt") or img.get_attribute("src") or "")[:60]
-            alpha = img.evaluate(_ALPHA_JS)
-            if alpha is None or min(alpha) < 255:
-                unreadable.append(f"{name}: transparent corners (alpha {alpha})")
-        # Each figure's corners as drawn on the full-page screenshot (no per-element shots:
-        # one screenshot is much faster on a page with many figures).
-        shot = Image.open(io.BytesIO(full)).convert("RGB")
-        boxes = page.locator(f"{FIGURE_IMAGES}, article .gradlab-explorable").evaluate_all(
-            _BOXES_JS
-        )
-        for i, box in enumerate(boxes):
-            if box["w"] < 4 or box["h"] < 4:
+def _dark_figure_problems(page, shot_path: Path) -> tuple[list[str], tuple[int, int, int]]:
+    """Figures of a dark page that would not stay readable, and the page's background."""
+    background = _rgb(page.evaluate("getComputedStyle(document.body).backgroundColor"))
+    unreadable = []
+    images = page.locator(FIGURE_IMAGES)
+    for i in range(images.count()):
+        img = images.nth(i)
+        name = (img.get_attribute("alt") or img.get_attribute("src") or "")[:60]
+        alpha = img.evaluate(_ALPHA_JS)
+        if alpha is None or min(alpha) < 255:
+            unreadable.append(f"{name}: transparent corners (alpha {alpha})")
+    # Each figure's corners as drawn on the full-page screenshot (no per-element shots:
+    # one screenshot is much faster on a page with many figures). On a busy machine a
+    # full-page capture can come before the images of a tall page are painted again at
+    # the new size; what the first capture blames is checked on a second one.
+    shown = _screenshot_problems(page, shot_path, background)
+    if shown:
+        page.evaluate(_REPAINT_JS)
+        shown = _screenshot_problems(page, shot_path, background)
+    return unreadable + shown, background
+
+
+_REPAINT_JS = """
+async () => {
+  await Promise.all(Array.from(document.images).map((img) => img.decode().catch(() => null)));
+  await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+}
+"""
+
+
+def _screenshot_problems(page, shot_path: Path, background) -> list[str]:
+    full = page.screenshot(path=shot_path, full_page=True)
+    unreadable = []
+    shot = Image.open(io.BytesIO(full)).convert("RGB")
+    boxes = page.locator(f"{FIGURE_IMAGES}, article .gradlab-explorable").evaluate_all(_BOXES_JS)
+    for i, box in enumerate(boxes):
+        if box["w"] < 4 or box["h"] < 4:
+            continue
+        inset = min(6, box["w"] // 4, box["h"] // 4)
+        left, top = box["x"] + inset, box["y"] + inset
+        right, bottom = box["x"] + box["w"] - 1 - inset, box["y"] + box["h"] - 1 - inset
+        for x, y in ((left, top), (right, top), (left, bottom), (right, bottom)):
+            if not (0 <= x < shot.width and 0 <= y < shot.height):
                 continue
-            inset = min(6, box["w"] // 4, box["h"] // 4)
-            left, top = box["x"] + inset, box["y"] + inset
-            right, bottom = box["x"] + box["w"] - 1 - inset, box["y"] + box["h"] - 1 - inset
-            for x, y in ((left, top), (right, top), (left, bottom), (right, bottom)):
-                if not (0 <= x < shot.width and 0 <= y < shot.height):
-                    continue
-                pixel = shot.getpixel((x, y))
-                if sum(abs(a - b) for a, b in zip(pixel, background, strict=True)) < 60:
-                    what = f"{box['what']} #{i}"
-                    unreadable.append(f"{what}: corner {pixel} is the page's {background}")
-                    break
-        assert not unreadable, f"figures unreadable in dark mode on {doc}: {unreadable}"
-    finally:
-        visit.close()
+            pixel = shot.getpixel((x, y))
+            if sum(abs(a - b) for a, b in zip(pixel, background, strict=True)) < 60:
+                what = f"{box['what']} #{i}"
+                unreadable.append(f"{what}: corner {pixel} is the page's {background}")
+                break
+    return unreadable
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_dark_mode_figures_readable(doc, dark_visits):
+    """In dark mode every figure keeps an opaque, light background."""
+    visit = dark_visits(doc)
+    assert visit.theme == "dark"
+    assert sum(visit.background) < 3 * 80, f"the page is not dark: background {visit.background}"
+    assert not visit.unreadable, f"figures unreadable in dark mode on {doc}: {visit.unreadable}"
 
 
 def test_local_file_mapping(base_url):
@@ -457,3 +594,314 @@ def test_local_file_mapping(base_url):
     assert local_file(base_url, base_url) == SITE / "index.html"
     assert local_file("https://example.org/x.js", base_url) is None
     assert urlsplit(base_url).hostname == "127.0.0.1"
+
+
+# ----------------------------------------------------------------------------- first visit
+
+
+_MODE_JS = """
+() => ({
+  storedBefore: window.__gradlabStoredBefore,
+  mode: document.documentElement.dataset.mode,
+  theme: document.documentElement.dataset.theme,
+})
+"""
+
+
+# ----------------------------------------------------------------------------- axe-core
+
+# axe-core's rules as it runs them by default (WCAG 2.x A and AA, and best practices).
+# Each reader gets what its view adds, which keeps the suite fast: the light desktop page
+# every rule, the dark one the contrast of its colours (the only rule the mode changes),
+# the phone every rule but colour contrast (its colours are the light page's) for the
+# controls only a narrow layout shows.
+AXE_OPTIONS = {
+    "light": {},
+    "dark": {"runOnly": {"type": "rule", "values": ["color-contrast"]}},
+    "phone": {"rules": {"color-contrast": {"enabled": False}}},
+}
+_AXE_RUN_JS = """
+async (options) => {
+  const result = await axe.run(document, {...options, resultTypes: ['violations']});
+  return result.violations.map((v) => ({
+    id: v.id, impact: v.impact, help: v.help,
+    nodes: v.nodes.map((n) => `${n.target.join(' ')}: ${(n.failureSummary || '')
+      .replace(/\\s+/g, ' ').slice(0, 160)}`),
+  }));
+}
+"""
+SERIOUS = ("serious", "critical")
+
+
+def _axe(page, doc: str, mode: str, report: dict) -> list[dict]:
+    """axe-core's violations on the page as it is now; every one is recorded for the
+    summary, whatever its impact."""
+    page.add_script_tag(path=str(AXE_JS))
+    violations = page.evaluate(_AXE_RUN_JS, AXE_OPTIONS[mode])
+    for v in violations:
+        key = (mode, v["id"], v["impact"])
+        report["axe"].setdefault(key, []).append(doc)
+    return violations
+
+
+@pytest.mark.parametrize("reader", ["light", "dark", "phone"])
+@pytest.mark.parametrize("doc", PAGES)
+def test_no_serious_accessibility_violations(doc, reader, light_visits, dark_visits, phone_visits):
+    """axe-core finds no serious or critical violation, for each of the three readers."""
+    visits = {"light": light_visits, "dark": dark_visits, "phone": phone_visits}
+    violations = visits[reader](doc).axe
+    serious = [
+        f"{v['id']} ({v['impact']}: {v['help']}): {v['nodes'][:3]}"
+        for v in violations
+        if v["impact"] in SERIOUS
+    ]
+    assert not serious, f"{doc} ({reader}): {serious}"
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+# A file name or a URL is what an image gets when nobody gave it a text alternative.
+_NOT_A_DESCRIPTION = re.compile(r"(^(\.\./|/|_images/|data:|https?:)|\.(png|jpe?g|svg|gif)$)")
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_figures_have_text_alternatives(doc, light_visits):
+    """Every figure says what it shows: no missing alt, no file name as alt; an explorable
+    figure's alt also says where each of its sliders stands."""
+    facts = light_visits(doc).facts
+    missing = [
+        f"{fig['src']}: alt {fig['alt']!r}"
+        for fig in facts["figures"]
+        if len(fig["alt"].split()) < 4 or _NOT_A_DESCRIPTION.search(fig["alt"])
+    ]
+    assert not missing, f"figures on {doc} without a text alternative: {missing}"
+    for i, explorable in enumerate(facts["explorableAlts"]):
+        for control in explorable["controls"]:
+            assert control in explorable["alt"], (
+                f"explorable {i}: alt {explorable['alt']!r} does not say {control!r}"
+            )
+
+
+# Moves every slider of every explorable by one step with the arrow keys, as a reader
+# without a mouse does, and reports what changed. Returns the slider states as seen
+# through the page (value, label, alt, a hash of the frame).
+_STATE_JS = """
+(root) => {
+  const img = root.querySelector('img.gradlab-frame');
+  let hash = 0;
+  for (let i = 0; i < img.src.length; i += 7) { hash = (hash * 31 + img.src.charCodeAt(i)) | 0; }
+  return {
+    frame: `${img.src.length}:${hash}`, alt: img.alt,
+    sliders: Array.from(root.querySelectorAll('input[data-control]')).map((el) => ({
+      value: Number(el.value), max: Number(el.max), name: el.getAttribute('aria-label'),
+      label: el.parentElement.querySelector('output').textContent,
+      expected: JSON.parse(el.getAttribute('data-labels'))[Number(el.value)],
+      valuetext: el.getAttribute('aria-valuetext'), tabIndex: el.tabIndex,
+      focused: document.activeElement === el,
+      focusRing: getComputedStyle(el).outlineStyle !== 'none'
+        || getComputedStyle(el).boxShadow !== 'none',
+    })),
+  };
+}
+"""
+
+
+def _keyboard_problems(page) -> list[str]:
+    """What goes wrong when each slider of each explorable is moved one step by an arrow
+    key: the frame, the value label, the alt and aria-valuetext must all follow."""
+    problems = []
+    figures = page.locator(".gradlab-explorable")
+    for i in range(figures.count()):
+        figure = figures.nth(i)
+        sliders = figure.locator("input[data-control]")
+        for j in range(sliders.count()):
+            before = figure.evaluate(_STATE_JS)
+            where = f"explorable {i}, slider {before['sliders'][j]['name']!r}"
+            if before["sliders"][j]["tabIndex"] < 0:
+                problems.append(f"{where}: not reachable with Tab")
+            at_end = before["sliders"][j]["value"] == before["sliders"][j]["max"]
+            key, back = ("ArrowLeft", "ArrowRight") if at_end else ("ArrowRight", "ArrowLeft")
+            sliders.nth(j).focus()
+            page.keyboard.press(key)
+            after = figure.evaluate(_STATE_JS)
+            slider = after["sliders"][j]
+            step = -1 if at_end else 1
+            if slider["value"] != before["sliders"][j]["value"] + step:
+                problems.append(
+                    f"{where}: {key} moved it from {before['sliders'][j]['value']}"
+                    f" to {slider['value']}"
+                )
+            if after["frame"] == before["frame"]:
+                problems.append(f"{where}: {key} did not change the figure")
+            if (
+                slider["label"] != slider["expected"]
+                or slider["label"] == before["sliders"][j]["label"]
+            ):
+                problems.append(
+                    f"{where}: label {slider['label']!r} after {key}, "
+                    f"expected {slider['expected']!r}"
+                )
+            if slider["valuetext"] != slider["expected"]:
+                problems.append(f"{where}: aria-valuetext {slider['valuetext']!r}")
+            if f"{slider['name']} = {slider['expected']}" not in after["alt"]:
+                problems.append(f"{where}: alt {after['alt']!r} does not name the new value")
+            if not (slider["focused"] and slider["focusRing"]):
+                problems.append(f"{where}: no visible focus ({slider})")
+            page.keyboard.press(back)
+            if figure.evaluate(_STATE_JS)["frame"] != before["frame"]:
+                problems.append(f"{where}: {back} did not bring the first figure back")
+    return problems
+
+
+# ----------------------------------------------------------------------------- phones
+
+# Elements drawn outside the window, and whether a container that scrolls on its own
+# (a code block, a wide table, a display formula) holds them. Content inside MathJax's
+# assistive MathML is for screen readers, clipped to nothing on screen, and skipped.
+_OVERFLOW_JS = """
+() => {
+  const vw = document.documentElement.clientWidth;
+  const scrollers = 'pre, .highlight, table, .pst-scrollable-table-container, '
+    + '.table-wrapper, mjx-container[display="true"], .cell_output .output';
+  const name = (el) => el.tagName.toLowerCase()
+    + (el.id ? '#' + el.id : '') + Array.from(el.classList).map((c) => '.' + c).join('');
+  const loose = [];
+  for (const el of document.querySelectorAll('body *')) {
+    if (el.closest('mjx-assistive-mml')) { continue; }
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || r.height === 0 || (r.left >= -1 && r.right <= vw + 1)) { continue; }
+    if (!el.checkVisibility({visibilityProperty: true, opacityProperty: true})) { continue; }
+    let clip = el.parentElement;
+    while (clip && clip !== document.body && getComputedStyle(clip).overflowX === 'visible') {
+      clip = clip.parentElement;
+    }
+    const box = clip && clip.getBoundingClientRect();
+    const scrolls = clip && ['auto', 'scroll'].includes(getComputedStyle(clip).overflowX);
+    if (clip && clip !== document.body && clip.closest(scrollers) && scrolls
+        && box.left >= -1 && box.right <= vw + 1) { continue; }
+    loose.push(`${name(el)} spans x ${Math.round(r.left)}..${Math.round(r.right)}`
+      + (clip ? ` in ${name(clip)}` : ''));
+  }
+  return {
+    width: window.innerWidth, scrollWidth: document.scrollingElement.scrollWidth,
+    loose: loose.slice(0, 10), looseCount: loose.length,
+  };
+}
+"""
+
+# Where each explorable and its parts sit in a narrow window.
+_FIT_JS = """
+(roots) => roots.map((root) => {
+  const vw = document.documentElement.clientWidth;
+  const inside = (el) => { const r = el.getBoundingClientRect();
+                           return r.left >= -1 && r.right <= vw + 1; };
+  const img = root.querySelector('img.gradlab-frame');
+  return {
+    fits: inside(root), imageFits: inside(img), imageWidth: img.getBoundingClientRect().width,
+    controlsFit: Array.from(root.querySelectorAll('.gradlab-control, input, output'))
+      .every(inside),
+    sliderWidths: Array.from(root.querySelectorAll('input[data-control]'))
+      .map((el) => el.getBoundingClientRect().width),
+  };
+})
+"""
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_phone_width_no_sideways_scroll(doc, phone_visits):
+    """At 390 px the page itself never scrolls sideways; only code blocks, wide tables
+    and display formulas may, each inside its own scrolling box."""
+    overflow = phone_visits(doc).overflow
+    assert overflow["scrollWidth"] <= overflow["width"], (
+        f"{doc} scrolls sideways at {overflow['width']} px: {overflow['scrollWidth']} px wide; "
+        f"{overflow['loose']}"
+    )
+    assert not overflow["looseCount"], (
+        f"{overflow['looseCount']} elements of {doc} stick out of a {overflow['width']} px "
+        f"window outside any scrolling code block, table or formula: {overflow['loose']}"
+    )
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_explorables_work_on_a_phone(doc, light_visits, phone_visits):
+    if not light_visits(doc).facts["explorables"]:
+        return
+    visit = phone_visits(doc)
+    assert len(visit.explorables) == light_visits(doc).facts["explorables"]
+    for i, fit in enumerate(visit.explorables):
+        where = f"explorable {i} at {PHONE['width']} px"
+        assert fit["fits"] and fit["imageFits"], f"{where} does not fit: {fit}"
+        assert fit["controlsFit"], f"{where}: its sliders stick out: {fit}"
+        assert fit["imageWidth"] >= 0.7 * PHONE["width"], f"{where}: figure too small: {fit}"
+        assert min(fit["sliderWidths"]) >= 120, f"{where}: slider too short to drag: {fit}"
+    assert not visit.keyboard, f"explorables on {doc} with the keyboard: {visit.keyboard}"
+
+
+# ----------------------------------------------------------------------------- search
+
+# Which chapters each query must find, read off the book's pages (book/...): the search
+# page must list each of them (it may list more: most words appear in several chapters).
+SEARCHES = {
+    # the threshold's name in torch and gradlab, defined in chapters 3 and 5
+    "max_norm": {"book/algorithms/clip_norm", "book/algorithms/ignore_norm"},
+    # non-finite gradients: what ignoring does with them, and how a step is skipped
+    "NaN": {
+        "book/algorithms/clip_norm",
+        "book/algorithms/ignore_norm",
+        "book/training/skip_step",
+        "book/appendix/corrections",
+    },
+    # torch.amp.GradScaler is only discussed in chapter 8 ("How GradScaler skips")
+    "GradScaler": {"book/training/skip_step"},
+    # skipping a step: chapter 8, and the training comparison of chapter 7
+    "skip": {"book/training/skip_step", "book/training/clip_vs_ignore"},
+}
+# Queries whose results must be exactly the chapters above (a word used in one chapter).
+EXACT_SEARCHES = {"GradScaler"}
+
+_SEARCH_JS = """
+async () => {
+  const deadline = Date.now() + 20000;
+  while (Date.now() < deadline) {
+    const summary = document.querySelector('#search-results .search-summary');
+    if (summary && /found|did not match/i.test(summary.textContent)) {
+      return {
+        summary: summary.textContent,
+        hits: Array.from(document.querySelectorAll('#search-results ul.search > li > a'))
+          .map((a) => a.getAttribute('href')),
+      };
+    }
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  return {summary: 'search did not finish in 20 s', hits: []};
+}
+"""
+
+
+@pytest.fixture(scope="session")
+def search_results(open_page):
+    """Each query of SEARCHES typed into the site's search page, once."""
+
+    def load(query: str):
+        visit = open_page("search", path=f"search.html?q={query}", first_visit=True)
+        try:
+            visit.results = visit.page.evaluate(_SEARCH_JS)
+        finally:
+            visit.close()
+        return visit
+
+    return _cache(load)
+
+
+@pytest.mark.parametrize("query", sorted(SEARCHES))
+def test_search_finds_the_right_chapters(query, search_results):
+    visit = search_results(query)
+    assert not _load_problems(visit), f"search page for {query!r}: {_load_problems(visit)}"
+    results = visit.results
+    found = {urlsplit(href).path.removesuffix(".html") for href in results["hits"]}
+    assert found <= set(PAGES), f"{query!r} found pages outside the book: {found - set(PAGES)}"
+    missing = SEARCHES[query] - found
+    assert not missing, f"{query!r} did not find {sorted(missing)} ({results['summary']})"
+    if query in EXACT_SEARCHES:
+        assert found == SEARCHES[query], f"{query!r} found {sorted(found)}"
