@@ -44,6 +44,8 @@ import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
+from gradlab.clip import _as_tensor_list
+
 __all__ = ["AutoClip", "SigmaSkip", "ThresholdPolicy", "ZClip", "agc_"]
 
 TensorOrTensors = Tensor | Iterable[Tensor]
@@ -567,21 +569,6 @@ class SigmaSkip(_Policy):
 
 
 # ----------------------------------------------------------------------------- AGC
-
-
-def _as_tensor_list(tensors: TensorOrTensors, name: str) -> list[Tensor]:
-    if isinstance(tensors, Tensor):
-        return [tensors]
-    try:
-        items = list(tensors)
-    except TypeError:
-        raise ValueError(
-            f"{name} must be a tensor or an iterable of tensors, got {type(tensors).__name__}"
-        ) from None
-    for item in items:
-        if not isinstance(item, Tensor):
-            raise ValueError(f"{name} must contain only tensors, found {type(item).__name__}")
-    return items
 
 
 def _unit_norms(tensors: list[Tensor], use_foreach: bool) -> Tensor:

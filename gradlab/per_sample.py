@@ -71,6 +71,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from gradlab.clip import _as_tensor_list
+
 __all__ = [
     "GhostClipping",
     "clip_per_sample_",
@@ -97,24 +99,6 @@ def _check_threshold(name: str, value: object) -> float:
     if math.isnan(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative number (inf allowed), got {value!r}")
     return value
-
-
-def _as_tensor_list(tensors: Tensor | Iterable[Tensor], name: str) -> list[Tensor]:
-    """Materialise ``tensors`` (a tensor or an iterable, generators included) as a list."""
-    if isinstance(tensors, Tensor):
-        return [tensors]
-    try:
-        items = list(tensors)
-    except TypeError:
-        raise ValueError(
-            f"{name} must be a tensor or an iterable of tensors, got {type(tensors).__name__}"
-        ) from None
-    for item in items:
-        if not isinstance(item, Tensor):
-            raise ValueError(
-                f"{name} must contain only tensors, found {type(item).__name__} {item!r}"
-            )
-    return items
 
 
 def _check_max_norm(max_norm: object, count: int) -> float | list[float]:
