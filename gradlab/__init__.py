@@ -12,6 +12,7 @@ The book's own code is :mod:`gradlab.book` (the ``book`` extra); nothing here im
 
 from gradlab.adaptive import AutoClip, SigmaSkip, ThresholdPolicy, ZClip, agc_
 from gradlab.clip import (
+    MicroBatchAccumulator,
     clip_grad_norm_,
     clip_grad_value_,
     clip_grads_with_norm_,
@@ -32,6 +33,7 @@ from gradlab.skip import SkipLimitError, StepGuard, StepRecord
 __all__ = [
     "AutoClip",
     "GhostClipping",
+    "MicroBatchAccumulator",
     "SigmaSkip",
     "SkipLimitError",
     "StepGuard",

@@ -22,6 +22,24 @@ Where the results are torch's: float32 and float64 gradients give torch's bits, 
 ``norm_type`` up to 4. float16 and bfloat16 gradients are reduced in float32 (torch
 reduces them in their own dtype), so the bits differ, and the result is better:
 torch's float16 norm is inf above 65504 and its clipping then zeroes every gradient.
+
+Many processes: ``get_total_norm``, ``clip_grad_norm_``, ``grad_ignore_norm_`` and
+``grad_ignore_value_`` take ``process_group=`` for tensors sharded by hand across its
+ranks, and reduce DTensor gradients (FSDP2's ``fully_shard``) over their own mesh: the
+norm, and so the decision, is then the same on every rank. Each reduction is an
+all-reduce of one number (or of the per-tensor norms), never a host read; every
+maximum travels with a NaN flag, because an all-reduce MAX can drop a NaN.
+
+Gradient accumulation has two meanings:
+
+* clip or ignore the *accumulated* gradient, once per optimizer step: let backward
+  accumulate into ``.grad`` over the ``k`` micro-batches, then call
+  ``clip_grad_norm_`` or ``grad_ignore_norm_`` before the step. With each micro-batch
+  loss scaled by ``1/k``, that is clipping the full batch's gradient (the same numbers
+  up to the order of the additions); one bad micro-batch loses the whole step;
+* drop a bad *micro-batch* from the accumulation: each micro-batch's own gradient is
+  tested, and the kept ones are rescaled by ``k / kept``, so that the step is the mean
+  gradient of the kept micro-batches. :class:`MicroBatchAccumulator` does this.
 """
 
 from __future__ import annotations
@@ -30,7 +48,7 @@ import math
 import numbers
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -40,7 +58,10 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
+from gradlab import _distributed
+
 __all__ = [
+    "MicroBatchAccumulator",
     "clip_grad_norm_",
     "clip_grad_value_",
     "clip_grads_with_norm_",
@@ -68,6 +89,10 @@ _SCALE_ABOVE_P = 4.0
 
 def _scaled(p: float) -> bool:
     return _SCALE_ABOVE_P < p < math.inf
+
+
+#: Gradients of these types are plain; any other (a DTensor) takes the distributed path.
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
 # --------------------------------------------------------------------------- checks
@@ -124,6 +149,10 @@ def _check_total_norm(total_norm: object) -> Tensor:
             "total_norm must be a 0-dim floating-point tensor, such as get_total_norm returns, "
             f"got {total_norm!r}"
         )
+    if type(total_norm) not in _PLAIN_TYPES and _distributed.is_dtensor(total_norm):
+        # torch.nn.utils.get_total_norm of DTensor gradients: its global value (a
+        # collective, which every rank of the mesh makes, as it calls this too).
+        return total_norm.full_tensor()
     return total_norm
 
 
@@ -135,6 +164,22 @@ def _check_flag(name: str, value: object) -> None:
 def _check_foreach(foreach: object) -> None:
     if foreach is not None and not isinstance(foreach, bool):
         raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
+
+
+def _check_process_group(process_group: object) -> None:
+    if process_group is None:
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "process_group was given, but torch.distributed is not initialized "
+            "(call torch.distributed.init_process_group first)"
+        )
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise ValueError(
+            "process_group must be None or a torch.distributed.ProcessGroup, "
+            f"got {type(process_group).__name__}"
+        )
 
 
 def _as_tensor_list(tensors: TensorOrTensors, name: str) -> list[Tensor]:
@@ -286,7 +331,13 @@ def _group_norms(
     return torch.stack([torch.linalg.vector_norm(g, p, dtype=norm_dtype) for g in group])
 
 
-def _total_norm(tensors: list[Tensor], p: float, foreach: bool | None, groups: Groups) -> Tensor:
+def _total_norm(
+    tensors: list[Tensor],
+    p: float,
+    foreach: bool | None,
+    groups: Groups,
+    per_tensor_hook: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     r"""The p-norm of ``tensors`` viewed as one vector (no argument checks).
 
     Uses :math:`\|g\|_p = \bigl\|(\|g_1\|_p, \dots, \|g_k\|_p)\bigr\|_p`: the norm of
@@ -294,6 +345,8 @@ def _total_norm(tensors: list[Tensor], p: float, foreach: bool | None, groups: G
     ``_groups(tensors)``. Up to p = 4 the vector of per-tensor norms is the one torch
     builds (same values; the same order, or any order for a max), so the result is
     bit-for-bit torch's wherever torch computes the same per-tensor norms.
+    ``per_tensor_hook``, if given, maps the vector of per-tensor norms before the final
+    norm (the DTensor path reduces it across ranks there, as DTensor does).
     """
     if not tensors:
         return torch.tensor(0.0)
@@ -313,6 +366,8 @@ def _total_norm(tensors: list[Tensor], p: float, foreach: bool | None, groups: G
     if not pieces:  # only empty tensors, and the inf-norm or a large p
         return torch.zeros((), dtype=acc_dtype, device=first_device)
     per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if per_tensor_hook is not None:
+        per_tensor = per_tensor_hook(per_tensor)
     if _scaled(p):
         return _scaled_norm(per_tensor, p)
     return torch.linalg.vector_norm(per_tensor, p)
@@ -337,20 +392,76 @@ _IGNORE_ADVICE = (
 )
 
 
+def _combine(norms: list[Tensor], p: float) -> Tensor:
+    """The p-norm of a few 0-dim norms (each already global): the norm of their vector."""
+    if len(norms) == 1:
+        return norms[0]
+    dtype = _accumulation_dtype(n.dtype for n in norms)
+    vector = torch.stack([n.to(device=norms[0].device, dtype=dtype) for n in norms])
+    return _scaled_norm(vector, p) if _scaled(p) else torch.linalg.vector_norm(vector, p)
+
+
+def _empty_norm(process_group: object) -> Tensor:
+    """The norm of no tensors, on a device the group's backend can reduce."""
+    if process_group is not None and torch.distributed.get_backend(process_group) == "nccl":
+        return torch.zeros((), device=torch.device("cuda", torch.cuda.current_device()))
+    return torch.tensor(0.0)
+
+
+def _global_norm(
+    tensors: list[Tensor], p: float, foreach: bool | None, process_group: object
+) -> tuple[Groups, Tensor]:
+    """(groups of the local tensors, the global norm): DTensors and/or a process group.
+
+    Each DTensor domain's norm is reduced over its mesh; plain tensors count as they
+    are on this rank. With ``process_group``, the norm of all of it is then reduced
+    over the group, as the norm of tensors split across its ranks.
+    """
+    local = _distributed.local_tensors(tensors)
+    plain, domains = _distributed.split_dtensors(tensors)
+    with torch.no_grad():
+        pieces = []
+        if plain:
+            pieces.append(_total_norm(plain, p, foreach, _groups(plain)))
+        for mesh_groups, shards in domains:
+            if p == math.inf or _scaled(p):
+                norm = _total_norm(shards, p, foreach, _groups(shards))
+                pieces.append(_distributed.all_reduce_norm(norm, p, mesh_groups, _scaled))
+            else:
+                # Up to p = 4, as torch's DTensor norm: each tensor's norm made global
+                # (one all-reduce of their p-th powers), then the norm of those norms.
+                def hook(norms: Tensor, mesh_groups: list = mesh_groups) -> Tensor:
+                    return _distributed.all_reduce_norm(norms, p, mesh_groups, _scaled)
+
+                pieces.append(_total_norm(shards, p, foreach, _groups(shards), hook))
+        total = _combine(pieces, p) if pieces else _empty_norm(process_group)
+        if process_group is not None:
+            total = _distributed.all_reduce_norm(total, p, [process_group], _scaled)
+    return _groups(local), total
+
+
 def _norm_of_grads(
     tensors: list[Tensor],
     norm_type: object,
     error_if_nonfinite: object,
     foreach: object,
     advice: str,
+    process_group: object = None,
 ) -> tuple[Groups, Tensor]:
-    """Check the arguments, then (groups of ``tensors``, their total norm)."""
+    """Check the arguments, then (groups of ``tensors``' local values, their total norm).
+
+    The groups hold each DTensor's local shard, so that in-place updates reach it.
+    """
     p = _check_norm_type(norm_type)
     _check_flag("error_if_nonfinite", error_if_nonfinite)
     _check_foreach(foreach)
-    groups = _groups(tensors)
-    with torch.no_grad():
-        total = _total_norm(tensors, p, foreach, groups)
+    _check_process_group(process_group)
+    if process_group is None and all(type(t) in _PLAIN_TYPES for t in tensors):
+        groups = _groups(tensors)
+        with torch.no_grad():
+            total = _total_norm(tensors, p, foreach, groups)
+    else:
+        groups, total = _global_norm(tensors, p, foreach, process_group)
     if error_if_nonfinite:
         _raise_if_nonfinite(total, p, advice)
     return groups, total
@@ -361,6 +472,8 @@ def get_total_norm(
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: torch.distributed.ProcessGroup | None = None,
 ) -> Tensor:
     r"""Compute the p-norm of a collection of tensors viewed as one concatenated vector.
 
@@ -373,6 +486,15 @@ def get_total_norm(
     :math:`m = \max|g|`, so that :math:`|g|^p` neither underflows to 0 nor overflows
     (an extra pass and a temporary copy per tensor); up to 4 the result is torch's.
 
+    Across ranks (``process_group``, or DTensor gradients), with :math:`n_r` the norm
+    on rank r: :math:`(\sum_r n_r^p)^{1/p}` by an all-reduce SUM for p up to 4 (for
+    DTensors, what ``torch.nn.utils.get_total_norm(...).full_tensor()`` computes);
+    :math:`M\,(\sum_r (n_r/M)^p)^{1/p}` with :math:`M = \max_r n_r` for larger p, so
+    that nothing overflows or underflows; :math:`\max_r n_r` for the inf-norm. Every
+    maximum is reduced with a separate NaN flag, because an all-reduce MAX can drop a
+    NaN (on gloo it depends on which rank holds it); a NaN or inf on one rank makes
+    the norm NaN or inf on every rank.
+
     Args:
         tensors (Tensor or Iterable[Tensor]): the values whose norm is taken (typically
             gradients, not parameters).
@@ -383,11 +505,18 @@ def get_total_norm(
         foreach (bool, optional): ``None`` picks the foreach kernels where the device
             supports them; ``True`` demands them (RuntimeError where unsupported);
             ``False`` loops. Default: None
+        process_group (ProcessGroup, optional): the group whose ranks each hold a part
+            of the tensors (sharded by hand); the norm is then the norm of all the parts,
+            the same bits on every rank. ``None``: this rank's tensors only. DTensor
+            gradients (FSDP2) are always reduced over their own mesh: do not pass the
+            mesh's group here. Default: None
 
     Returns:
         Tensor: the total norm, 0-dim, on the first tensor's device. Its dtype is the
         real dtype of the inputs (complex128 gives float64), float32 for float16 and
         bfloat16 inputs, float64 if any input is float64. ``tensor(0.)`` for no tensors.
+        For DTensors, a plain tensor holding the global norm (torch returns a DTensor
+        whose ``full_tensor()`` is that norm).
 
     Raises:
         ValueError: ``norm_type`` is not a positive number or inf.
@@ -395,9 +524,16 @@ def get_total_norm(
 
     .. note::
         No host read, except ``error_if_nonfinite=True``, which reads the norm.
+
+    .. note::
+        With ``process_group``, or DTensor gradients, the call issues collectives
+        (one or two all-reduces of a few numbers, no host read): call it on every
+        rank of the group, with gradients of the same dtypes.
     """
     tensors = _as_tensor_list(tensors, "tensors")
-    _, total = _norm_of_grads(tensors, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE)
+    _, total = _norm_of_grads(
+        tensors, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE, process_group
+    )
     return total
 
 
@@ -434,6 +570,11 @@ def clip_grads_with_norm_(
     example a :func:`get_total_norm` all-reduced across the ranks of sharded training.
     To zero the gradients instead, see :func:`grad_ignore_with_norm_`.
 
+    There is no ``process_group`` argument: a norm from :func:`get_total_norm` with one
+    is already the same on every rank, and so is the coefficient. A DTensor
+    ``total_norm`` (``torch.nn.utils.get_total_norm`` of FSDP2 gradients) is replaced
+    by its ``full_tensor()``, a collective; DTensor gradients are rescaled shard by shard.
+
     Args:
         parameters (Tensor or Iterable[Tensor]): tensors whose ``.grad`` is rescaled in
             place; tensors without a gradient are skipped.
@@ -451,7 +592,7 @@ def clip_grads_with_norm_(
     max_norm = _check_threshold_or_tensor("max_norm", max_norm)
     total_norm = _check_total_norm(total_norm)
     _check_foreach(foreach)
-    grads = _grads_of(parameters)
+    grads = _distributed.local_tensors(_grads_of(parameters))
     with torch.no_grad():
         _clip_(_groups(grads), max_norm, total_norm, foreach)
 
@@ -462,6 +603,8 @@ def clip_grad_norm_(
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: torch.distributed.ProcessGroup | None = None,
 ) -> Tensor:
     r"""Rescale all gradients together so that their total norm is at most ``max_norm``.
 
@@ -492,16 +635,30 @@ def clip_grad_norm_(
         error_if_nonfinite (bool): raise RuntimeError, before any gradient changes, if
             the total norm is NaN or infinite. Default: False
         foreach (bool, optional): see :func:`get_total_norm`. Default: None
+        process_group (ProcessGroup, optional): the group whose ranks each hold a part
+            of the gradients (sharded by hand); the norm is then the norm of all the parts,
+            the same bits on every rank. ``None``: this rank's tensors only. DTensor
+            gradients (FSDP2) are always reduced over their own mesh: do not pass the
+            mesh's group here. Default: None
 
     Returns:
-        Tensor: the total norm of the gradients *before* clipping, 0-dim.
+        Tensor: the total norm of the gradients *before* clipping, 0-dim (the global
+        norm, the same on every rank, with ``process_group`` or DTensor gradients).
 
     .. note::
         No host read, except ``error_if_nonfinite=True``, which reads the norm.
+
+    .. note::
+        With ``process_group``, or DTensor gradients, the call issues collectives
+        (one or two all-reduces of a few numbers, no host read): call it on every
+        rank of the group, with gradients of the same dtypes. Every rank then scales by the same
+        coefficient.
     """
     max_norm = _check_threshold_or_tensor("max_norm", max_norm)
     grads = _grads_of(parameters, "clipping")
-    groups, total = _norm_of_grads(grads, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE)
+    groups, total = _norm_of_grads(
+        grads, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE, process_group
+    )
     with torch.no_grad():
         _clip_(groups, max_norm, total, foreach)
     return total
@@ -552,7 +709,7 @@ def clip_grad_value_(
     """
     clip_value = _check_threshold_or_tensor("clip_value", clip_value)
     _check_foreach(foreach)
-    grads = _grads_of(parameters)
+    grads = _distributed.local_tensors(_grads_of(parameters))
     with torch.no_grad():
         for device, dtype, group in _groups(grads):
             bound = _clamp_bound(clip_value, device, dtype)
@@ -627,6 +784,10 @@ def grad_ignore_with_norm_(
     parameters and the optimizer state untouched, use
     :class:`gradlab.StepGuard` with ``mode="skip"``.
 
+    As in :func:`clip_grads_with_norm_`, there is no ``process_group`` argument (a
+    reduced norm already decides alike everywhere), and a DTensor ``total_norm`` is
+    replaced by its ``full_tensor()``.
+
     Args:
         parameters (Tensor or Iterable[Tensor]): tensors whose ``.grad`` may be zeroed in
             place; tensors without a gradient are skipped.
@@ -644,7 +805,7 @@ def grad_ignore_with_norm_(
     max_norm = _check_threshold_or_tensor("max_norm", max_norm)
     total_norm = _check_total_norm(total_norm)
     _check_foreach(foreach)
-    grads = _grads_of(parameters)
+    grads = _distributed.local_tensors(_grads_of(parameters))
     with torch.no_grad():
         _zero_unless(_groups(grads), _keep_by_norm(max_norm, total_norm), foreach)
 
@@ -655,6 +816,8 @@ def grad_ignore_norm_(
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    process_group: torch.distributed.ProcessGroup | None = None,
 ) -> Tensor:
     r"""Zero *every* gradient when their total norm is too large or not finite.
 
@@ -682,16 +845,30 @@ def grad_ignore_norm_(
             the total norm is NaN or infinite. Default: False
         foreach (bool, optional): see :func:`get_total_norm` (used for the norm and the
             zeroing). Default: None
+        process_group (ProcessGroup, optional): the group whose ranks each hold a part
+            of the gradients (sharded by hand); the norm is then the norm of all the parts,
+            the same bits on every rank. ``None``: this rank's tensors only. DTensor
+            gradients (FSDP2) are always reduced over their own mesh: do not pass the
+            mesh's group here. Default: None
 
     Returns:
-        Tensor: the total norm of the gradients before the decision, 0-dim.
+        Tensor: the total norm of the gradients before the decision, 0-dim (the global
+        norm, the same on every rank, with ``process_group`` or DTensor gradients).
 
     .. note::
         No host read, except ``error_if_nonfinite=True``, which reads the norm.
+
+    .. note::
+        With ``process_group``, or DTensor gradients, the call issues collectives
+        (one or two all-reduces of a few numbers, no host read): call it on every
+        rank of the group, with gradients of the same dtypes. Every rank then keeps, or zeroes,
+        alike: a NaN on one rank zeroes all.
     """
     max_norm = _check_threshold_or_tensor("max_norm", max_norm)
     grads = _grads_of(parameters, "ignoring")
-    groups, total = _norm_of_grads(grads, norm_type, error_if_nonfinite, foreach, _IGNORE_ADVICE)
+    groups, total = _norm_of_grads(
+        grads, norm_type, error_if_nonfinite, foreach, _IGNORE_ADVICE, process_group
+    )
     with torch.no_grad():
         _zero_unless(groups, _keep_by_norm(max_norm, total), foreach)
     return total
@@ -701,6 +878,8 @@ def grad_ignore_value_(
     parameters: TensorOrTensors,
     clip_value: float | Tensor,
     foreach: bool | None = None,
+    *,
+    process_group: torch.distributed.ProcessGroup | None = None,
 ) -> Tensor:
     r"""Zero *every* gradient when any single entry reaches ``clip_value``.
 
@@ -722,20 +901,140 @@ def grad_ignore_value_(
             is (unchecked).
         foreach (bool, optional): see :func:`get_total_norm` (used for the maximum and the
             zeroing). Default: None
+        process_group (ProcessGroup, optional): the group whose ranks each hold a part
+            of the gradients (sharded by hand); the largest entry is then that of all the parts,
+            the same bits on every rank. ``None``: this rank's tensors only. DTensor
+            gradients (FSDP2) are always reduced over their own mesh: do not pass the
+            mesh's group here. Default: None
 
     Returns:
         Tensor: the largest absolute gradient entry before the decision, 0-dim
-        (``tensor(0.)`` when there are no gradients).
+        (``tensor(0.)`` when there are no gradients); over all ranks, with
+        ``process_group`` or DTensor gradients.
 
     .. note::
         No host read.
+
+    .. note::
+        With ``process_group``, or DTensor gradients, the call issues collectives
+        (one or two all-reduces of a few numbers, no host read): call it on every
+        rank of the group, with gradients of the same dtypes. The maximum is reduced with a NaN
+        flag, so a NaN on one rank zeroes every rank's gradients.
     """
     clip_value = _check_threshold_or_tensor("clip_value", clip_value)
-    _check_foreach(foreach)
     grads = _grads_of(parameters, "ignoring")
-    groups = _groups(grads)
+    groups, largest = _norm_of_grads(grads, math.inf, False, foreach, "", process_group)
     with torch.no_grad():
-        largest = _total_norm(grads, math.inf, foreach, groups)
         wide = largest.to(torch.float64)
         _zero_unless(groups, wide < _like(clip_value, wide), foreach)
     return largest
+
+
+# -------------------------------------------------------------- gradient accumulation
+
+
+class MicroBatchAccumulator:
+    r"""Accumulate micro-batch gradients, leaving out each micro-batch that is too large.
+
+    Per-micro-batch ignore: each micro-batch's own gradient is tested as
+    :func:`grad_ignore_norm_` tests it, and a bad one (norm above ``max_norm``, NaN or
+    inf) contributes nothing. With ``k`` micro-batches of which ``kept`` are kept and
+    losses scaled by ``1/k`` as usual, :meth:`finish_` leaves in ``.grad``
+
+    .. math::
+        \frac{k}{\text{kept}} \sum_{i\ \text{kept}} \frac{g_i}{k}
+        = \frac{1}{\text{kept}} \sum_{i\ \text{kept}} g_i ,
+
+    the mean gradient of the kept micro-batches, as if the bad ones had never been in
+    the batch (zero if none is kept). Without the rescaling, dropping one micro-batch
+    of four would shrink the step by a quarter.
+
+    The micro-batch's gradient must be alone in ``.grad`` when it is tested, so
+    :meth:`add_` moves it into a buffer (one extra copy of the gradients) and sets
+    ``.grad`` to None for the next backward. The keep flag is a select (NaN never
+    reaches the buffer) and the count of kept micro-batches stays on the device: no
+    host read.
+
+    Example::
+
+        acc = gradlab.MicroBatchAccumulator(model.parameters(), max_norm=10.0)
+        for x, y in micro_batches:                  # k of them
+            (loss_fn(model(x), y) / k).backward()
+            acc.add_()
+        acc.finish_()                               # .grad: mean of the kept ones
+        optimizer.step()
+
+    To clip or ignore the *accumulated* gradient once per optimizer step instead, let
+    backward accumulate into ``.grad`` and call :func:`clip_grad_norm_` or
+    :func:`grad_ignore_norm_` once before the step: with losses scaled by ``1/k``
+    that is clipping the gradient of the full batch.
+
+    Args:
+        parameters (Tensor or Iterable[Tensor]): the parameters whose gradients are
+            accumulated (a generator is materialised once).
+        max_norm (float or Tensor): the largest micro-batch gradient norm kept.
+        norm_type (float or str): p, as in :func:`grad_ignore_norm_`. Default: 2.0
+        foreach (bool, optional): see :func:`get_total_norm`. Default: None
+
+    Attributes:
+        kept (Tensor): 0-dim int64, how many micro-batches were kept so far.
+        count (int): how many micro-batches were added so far.
+    """
+
+    def __init__(
+        self,
+        parameters: TensorOrTensors,
+        max_norm: float | Tensor,
+        norm_type: float | str = 2.0,
+        foreach: bool | None = None,
+    ) -> None:
+        self.params = _as_tensor_list(parameters, "parameters")
+        self.max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+        self.norm_type = _check_norm_type(norm_type)
+        _check_foreach(foreach)
+        self.foreach = foreach
+        self._buffers: list[Tensor | None] = [None] * len(self.params)
+        self.kept: Tensor | None = None
+        self.count = 0
+
+    def add_(self) -> Tensor:
+        """Test the micro-batch gradient now in ``.grad``, add it if kept, clear ``.grad``.
+
+        Returns:
+            Tensor: the micro-batch gradient's total norm, 0-dim.
+        """
+        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = [self.params[i].grad for i in with_grad]
+        groups, norm = _norm_of_grads(grads, self.norm_type, False, self.foreach, "")
+        with torch.no_grad():
+            keep = _keep_by_norm(self.max_norm, norm)
+            _zero_unless(groups, keep, self.foreach)  # a select: a bad one adds +0.0
+            for i, g in zip(with_grad, grads, strict=True):
+                buffer = self._buffers[i]
+                if buffer is None:
+                    self._buffers[i] = g  # the first gradient becomes the buffer
+                else:
+                    buffer.add_(g)
+            for i in with_grad:
+                self.params[i].grad = None
+            kept = keep.to(torch.int64)
+            self.kept = kept if self.kept is None else self.kept + kept.to(self.kept.device)
+        self.count += 1
+        return norm
+
+    def finish_(self) -> Tensor:
+        """Put ``count / kept`` times the accumulated sum into ``.grad``; reset.
+
+        Returns:
+            Tensor: 0-dim int64, the number of micro-batches kept.
+        """
+        kept = self.kept if self.kept is not None else torch.zeros((), dtype=torch.int64)
+        with torch.no_grad():
+            # count / kept on the device; 0 when nothing was kept (the buffers are 0).
+            scale = torch.where(kept > 0, self.count / kept.clamp(min=1), 0.0)
+            for p, buffer in zip(self.params, self._buffers, strict=True):
+                if buffer is not None:
+                    p.grad = buffer.mul_(scale.to(device=buffer.device, dtype=buffer.dtype))
+        self._buffers = [None] * len(self.params)
+        self.kept, self.count = None, 0
+        return kept
