@@ -120,3 +120,36 @@ def test_figures_render_including_degenerate_times():
     _render(costs.overhead_figure(broken))
     _render(costs.foreach_figure(broken))
     _render(costs.model_check_figure(broken, costs.CostModel(0.0, 0.0, 0.0)))
+
+
+def test_fit_by_kind_recovers_two_prices_and_reports_the_floor_bias():
+    # reductions twice as expensive per byte as elementwise passes
+    sizes = [1, 10, 100, 1000]
+    counts = costs.count_table(sizes, 1000)
+    counts[costs.FLOOR] = [costs.OpCount(ops=1, tensor_visits=1) for _ in sizes]
+    sweep = costs.Sweep(np.array(sizes), 1000, {}, counts)
+    truth = costs.CostModel(2e-6, 5e-7, 2e-10, 1e-10)
+    sweep.times = {name: costs.predict(truth, sweep, name) for name in counts}
+    fitted = costs.fit_cost_model(sweep, by_kind=True)
+    for name in sweep.times:
+        np.testing.assert_allclose(costs.predict(fitted, sweep, name), sweep.times[name], rtol=0.05)
+    assert fitted.elementwise_bandwidth == pytest.approx(1e10, rel=0.1)
+    one = costs.fit_cost_model(sweep)
+    assert one.elementwise_bandwidth is None
+    report = costs.fit_report(sweep, {"one": one, "by kind": fitted})
+    assert "bandwidth implied by the floor" in report and "elementwise" in report
+    bias = float(np.median(costs.predict(fitted, sweep, costs.FLOOR) / sweep.times[costs.FLOOR]))
+    assert bias == pytest.approx(1.0, rel=0.05)
+
+
+def test_ratio_table_and_sync_free_cost():
+    sweep = _synthetic_sweep(2e-6, 5e-7, 1e-10)
+    text = costs.ratio_table(sweep)
+    assert text.splitlines()[0].startswith("time / floor")
+    assert "at 1 tensor(s):" in text and max(len(line) for line in text.splitlines()) <= 80
+    cost = costs.sync_free_cost(sweep)
+    loop = sweep.times["reference loop, ignore norm"]
+    np.testing.assert_allclose(
+        cost["foreach=True"], sweep.times["gradlab ignore norm, foreach=True"] / loop
+    )
+    assert set(cost) == {"foreach=False", "foreach=True"}

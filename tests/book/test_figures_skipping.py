@@ -95,3 +95,19 @@ def test_comparison_figure_renders():
     assert ax.get_yscale() == "log"
     assert len(fig.legends[0].get_texts()) == 4
     assert png_bytes(fig)[:4] == b"\x89PNG"
+
+
+def test_host_read_table_per_optimizer():
+    # the optimizer's own reads of its CPU step counters, k = 4 parameters
+    table = skipping.host_read_table(steps=4, bad_at=(2,))
+    assert table["SGD, momentum 0.9"]["own"] == [0, 0, 0, 0]
+    assert table["Adam (default)"]["own"] == [4, 4, 4, 4]
+    assert table["Adam (default)"]["sync=True"] == [5, 5, 1, 5]
+    assert table["Adam (default)"]["sync=False"] == [5, 4, 4, 4]
+    for fused in ("Adam, fused=True", "AdamW, fused=True"):
+        assert table[fused]["own"] == [0, 0, 0, 0]
+        assert table[fused]["sync=True"] == [1, 1, 1, 1]
+        assert table[fused]["sync=False"] == [1, 0, 0, 0]
+    assert table["Adam (default)"]["decisions"] == ["kept", "kept", "skipped", "kept"]
+    text = skipping.format_host_read_table(table)
+    assert "Adam (default)" in text and max(len(line) for line in text.splitlines()) <= 80

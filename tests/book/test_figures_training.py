@@ -214,3 +214,33 @@ def test_figures_render_at_the_extremes():
     for run in grid[(0, 1.0)].runs.values():
         for threshold in (0.0, 1.0, math.inf, math.nan):
             _render(training.norm_trace_figure(run[0], threshold))
+
+
+def test_seed_acted_and_stall_tables():
+    experiment = training.run_experiment(
+        0.5, _thresholds(1.0, 0.5), seeds=[0, 1], setup=TINY, methods=["none", "skip"]
+    )
+    reference = training.run_experiment(
+        0.0, _thresholds(1.0, 0.5), seeds=[0, 1], setup=TINY, methods=["none"]
+    )
+    text = training.seed_table(experiment, reference)
+    lines = text.splitlines()
+    assert lines[0].split()[-3:] == ["mean", "median", "failed"]
+    assert lines[1].startswith("clean data, no control") and lines[1].endswith("0/2")
+    assert "skip (StepGuard)" in text
+    finals = [r.final_test_loss for r in experiment.runs["skip"]]
+    limit = training.FAIL_FACTOR * np.median([r.final_test_loss for r in reference.runs["none"]])
+    failed = sum(not f <= limit for f in finals)
+    skip_line = next(line for line in lines if line.startswith("skip"))
+    assert skip_line.endswith(f"{failed}/2")
+    assert "precision" in training.acted_table(experiment)
+    stall = training.stall_table({95: experiment}, "skip").splitlines()
+    assert len(stall) == 3 and stall[0].split()[0] == "q"
+
+
+def test_clipped_displacement_is_eta_tau_over_one_minus_mu():
+    first, total = training.clipped_displacement(2.0, 0.1, 0.9, steps=400)
+    assert first == pytest.approx(0.2)
+    assert total == pytest.approx(0.2 / (1 - 0.9), rel=1e-9)
+    first, steady = training.clipped_displacement(2.0, 0.1, 0.5, steps=100, repeat=True)
+    assert first == pytest.approx(0.2) and steady == pytest.approx(0.4, rel=1e-9)

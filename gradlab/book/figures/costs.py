@@ -46,12 +46,14 @@ from gradlab.sync import is_read_op
 __all__ = [
     "IMPLEMENTATIONS",
     "PASSES",
+    "PASS_KINDS",
     "CostModel",
     "OpCount",
     "Sweep",
     "count_ops",
     "count_table",
     "fit_cost_model",
+    "fit_report",
     "foreach_figure",
     "model_check_figure",
     "overhead_figure",
@@ -231,24 +233,55 @@ def time_sweep(
 # ---------------------------------------------------------------------- cost model
 
 
+#: The passes of :data:`PASSES` split by operator type, (reduction, elementwise): a
+#: reduction (a norm, a max) reads every entry once; an elementwise pass (``mul_``,
+#: the select, ``abs``) reads and writes it, counted as 2 passes as in ``PASSES``.
+PASS_KINDS: dict[str, tuple[int, int]] = {
+    "floor (one norm over a flat tensor)": (1, 0),
+    "reference loop, ignore norm": (1, 0),
+    "reference loop, ignore value": (1, 2),
+    "gradlab ignore norm, foreach=False": (1, 2),
+    "gradlab ignore norm, foreach=True": (1, 2),
+    "gradlab clip norm, foreach=False": (1, 2),
+    "gradlab clip norm, foreach=True": (1, 2),
+    "torch clip norm, foreach=False": (1, 2),
+    "torch clip norm, foreach=True": (1, 2),
+}
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """``T = c_op K + c_tensor V + bytes / bandwidth`` (seconds, bytes/s)."""
+    """``T = c_op K + c_tensor V + bytes / bandwidth`` (seconds, bytes/s).
+
+    With ``elementwise_seconds_per_byte`` set (a fit ``by_kind``), the bytes are split
+    by operator type: ``seconds_per_byte`` prices the bytes of reductions and
+    ``elementwise_seconds_per_byte`` those of elementwise passes (:data:`PASS_KINDS`).
+    """
 
     c_op: float
     c_tensor: float
     seconds_per_byte: float
+    elementwise_seconds_per_byte: float | None = None
 
     @property
     def bandwidth(self) -> float:
         return math.inf if self.seconds_per_byte <= 0 else 1.0 / self.seconds_per_byte
 
+    @property
+    def elementwise_bandwidth(self) -> float | None:
+        per_byte = self.elementwise_seconds_per_byte
+        if per_byte is None:
+            return None
+        return math.inf if per_byte <= 0 else 1.0 / per_byte
 
-def _features(sweep: Sweep, name: str) -> np.ndarray:
-    bytes_moved = PASSES.get(name, 1) * 4 * sweep.n_elements
-    return np.array(
-        [[c.ops, c.tensor_visits, bytes_moved] for c in sweep.counts[name]], dtype=float
-    )
+
+def _features(sweep: Sweep, name: str, by_kind: bool = False) -> np.ndarray:
+    if by_kind:
+        reduction, elementwise = PASS_KINDS.get(name, (PASSES.get(name, 1), 0))
+        moved = [reduction * 4 * sweep.n_elements, elementwise * 4 * sweep.n_elements]
+    else:
+        moved = [PASSES.get(name, 1) * 4 * sweep.n_elements]
+    return np.array([[c.ops, c.tensor_visits, *moved] for c in sweep.counts[name]], dtype=float)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:
@@ -264,32 +297,65 @@ def _nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:
     return x
 
 
-def fit_cost_model(sweep: Sweep, names: Sequence[str] | None = None) -> CostModel:
+def fit_cost_model(
+    sweep: Sweep, names: Sequence[str] | None = None, by_kind: bool = False
+) -> CostModel:
     """Fit the constants to the sweep's timings, weighting every point by 1/T.
 
     Relative errors are what matter across four orders of magnitude, so each
-    equation is divided by its measured time before the fit.
+    equation is divided by its measured time before the fit. ``by_kind``: fit one
+    price per byte for reductions and one for elementwise passes.
     """
     names = list(sweep.times) if names is None else list(names)
     rows, targets = [], []
     for name in names:
-        feats = _features(sweep, name)
+        feats = _features(sweep, name, by_kind)
         for f, t in zip(feats, sweep.times[name], strict=True):
             if t > 0 and math.isfinite(t):
                 rows.append(f / t)
                 targets.append(1.0)
     if not rows:
-        return CostModel(0.0, 0.0, 0.0)
+        return CostModel(0.0, 0.0, 0.0, 0.0 if by_kind else None)
     a, b = np.array(rows), np.array(targets)
     scale = np.where(a.max(0) > 0, a.max(0), 1.0)
     x = _nnls(a / scale, b) / scale
-    return CostModel(float(x[0]), float(x[1]), float(x[2]))
+    elementwise = float(x[3]) if by_kind else None
+    return CostModel(float(x[0]), float(x[1]), float(x[2]), elementwise)
 
 
 def predict(model: CostModel, sweep: Sweep, name: str) -> np.ndarray:
     """The model's time (seconds) for ``name`` at each point of the sweep."""
-    coef = np.array([model.c_op, model.c_tensor, model.seconds_per_byte])
-    return _features(sweep, name) @ coef
+    coef = [model.c_op, model.c_tensor, model.seconds_per_byte]
+    by_kind = model.elementwise_seconds_per_byte is not None
+    if by_kind:
+        coef.append(model.elementwise_seconds_per_byte)
+    return _features(sweep, name, by_kind) @ np.array(coef)
+
+
+def fit_report(sweep: Sweep, models: dict[str, CostModel]) -> str:
+    """Each fit's constants, its share of points within a factor 2, and its bias on
+    the floor (predicted over measured time of the one-pass floor, median over the
+    sweep), beside the bandwidth the floor itself implies (4N bytes / its time)."""
+    floor = sweep.times[FLOOR]
+    implied = 4 * sweep.n_elements / float(np.median(floor))
+    lines = [f"bandwidth implied by the floor: {implied / 1e9:.2g} GB/s"]
+    for label, model in models.items():
+        within = []
+        for name, measured in sweep.times.items():
+            error = np.log2(predict(model, sweep, name) / measured)
+            within.append(float(np.mean(np.abs(error) <= 1)))
+        bias = float(np.median(predict(model, sweep, FLOOR) / floor))
+        beta = f"{model.bandwidth / 1e9:.2g} GB/s"
+        if model.elementwise_bandwidth is not None:
+            beta = f"reductions {beta}, elementwise {model.elementwise_bandwidth / 1e9:.2g} GB/s"
+        lines += [
+            f"{label}:",
+            f"  c_op {model.c_op * 1e6:.2g} us, c_tensor {model.c_tensor * 1e6:.2g} us",
+            f"  beta: {beta}",
+            f"  within a factor 2: {100 * np.mean(within):.0f}% of the points; "
+            f"floor predicted / measured: {bias:.2f}",
+        ]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------- figures
@@ -430,3 +496,30 @@ def sweep_figure(n_tensors: int, sweep: Sweep) -> Figure:
     ax.set_title(f"{n_tensors} tensors, {sweep.n_elements:,} numbers in all", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
     return fig
+
+
+def ratio_table(sweep: Sweep) -> str:
+    """Each implementation's median time over the floor's, at each number of tensors,
+    the floor's own time, and the range of the ratios at the fewest and most tensors."""
+    floor = sweep.times[FLOOR]
+    sizes = [int(k) for k in sweep.n_tensors]
+    lines = [f"{'time / floor':36}" + "".join(f"{k:>6}" for k in sizes)]
+    for name, t in sweep.times.items():
+        lines.append(f"{name[:36]:36}" + "".join(f"{r:>6.3g}" for r in t / floor))
+    lines.append(f"{'floor itself (ms)':36}" + "".join(f"{1e3 * t:>6.3g}" for t in floor))
+    ratios = np.array([t / floor for name, t in sweep.times.items() if name != FLOOR])
+    for i in (0, len(sizes) - 1):
+        low, high = ratios[:, i].min(), ratios[:, i].max()
+        lines.append(f"at {sizes[i]} tensor(s): {low:.2g} to {high:.2g} times the floor")
+    return "\n".join(lines)
+
+
+def sync_free_cost(sweep: Sweep) -> dict[str, np.ndarray]:
+    """Time of gradlab's sync-free ignore over the branching reference loop's, on a
+    healthy step (nothing ignored), at each number of tensors: what never reading the
+    host costs where a host read is cheap (a CPU)."""
+    loop = sweep.times["reference loop, ignore norm"]
+    return {
+        f"foreach={flag}": sweep.times[f"gradlab ignore norm, foreach={flag}"] / loop
+        for flag in (False, True)
+    }

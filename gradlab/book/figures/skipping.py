@@ -32,14 +32,18 @@ from gradlab.book.plots import IGNORE, SKIP, new_figure
 from gradlab.sync import HostReadCounter
 
 __all__ = [
+    "HOST_READ_OPTIMIZERS",
     "OPTIMIZERS",
     "Drift",
     "HostReadCounter",
     "drift_after_bad_batch",
     "drift_comparison_figure",
     "drift_figure",
+    "format_host_read_table",
+    "host_read_table",
     "host_reads_per_step",
     "make_optimizer",
+    "own_reads_per_step",
 ]
 
 #: The optimizers compared, and how the figures name them.
@@ -303,3 +307,71 @@ def drift_comparison_figure(beta: float = 0.9, steps: int = 30) -> Figure:
     ax.set_title(f"Drift of an 'ignored' step (momentum / β₁ = {beta:g})", fontsize=10)
     fig.legend(loc="outside lower center", ncol=2, fontsize=8)
     return fig
+
+
+#: The optimizers of the chapter's host-read table (all on the CPU, lr 0.05 or 0.01).
+HOST_READ_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "SGD, momentum 0.9": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "Adam (default)": lambda p: torch.optim.Adam(p, lr=0.01),
+    "Adam, foreach=True": lambda p: torch.optim.Adam(p, lr=0.01, foreach=True),
+    "Adam, fused=True": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+    "AdamW, fused=True": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+}
+
+
+def own_reads_per_step(
+    optimizer: Callable[..., torch.optim.Optimizer], steps: int = 5, seed: int = 0
+) -> list[int]:
+    """The host reads of a bare ``optimizer.step()``, no guard, per step of a short run."""
+    x, y = demos.regression_data(steps * _BATCH, d_in=_D_IN, seed=seed)
+    model = demos.small_mlp(_D_IN, _HIDDEN, 1, seed=seed)
+    opt = optimizer(model.parameters())
+    counts = []
+    for xb, yb in zip(x.split(_BATCH), y.split(_BATCH), strict=True):
+        demos.backward(model, xb, yb)
+        with HostReadCounter() as counter:
+            opt.step()
+        counts.append(counter.count)
+    return counts
+
+
+def host_read_table(
+    optimizers: dict[str, Callable[..., torch.optim.Optimizer]] | None = None,
+    steps: int = 5,
+    bad_at: Sequence[int] = (2,),
+) -> dict[str, dict[str, list]]:
+    """Host reads per step for each optimizer: bare, and inside ``StepGuard.step()``.
+
+    Returns ``{name: {"own": [...], "sync=True": [...], "sync=False": [...],
+    "decisions": [...]}}`` from :func:`own_reads_per_step` and
+    :func:`host_reads_per_step` (the batches in ``bad_at`` are skipped).
+    """
+    table = {}
+    for name, make in (optimizers or HOST_READ_OPTIMIZERS).items():
+        row: dict[str, list] = {"own": own_reads_per_step(make, steps)}
+        for sync in (True, False):
+            reads, decisions = host_reads_per_step(sync, steps, bad_at, make)
+            row[f"sync={sync}"] = reads
+        row["decisions"] = decisions
+        table[name] = row
+    return table
+
+
+def format_host_read_table(table: dict[str, dict[str, list]]) -> str:
+    """The table of :func:`host_read_table` as text, one optimizer a line."""
+
+    def cell(reads: list) -> str:
+        return " ".join(str(r) for r in reads)
+
+    columns = ("own", "sync=True", "sync=False")
+    width = max(len(name) for name in table) + 1
+    cols = max(14, *(len(cell(row[c])) + 2 for row in table.values() for c in columns))
+    decisions = next(iter(table.values()))["decisions"]
+    heads = ("step() alone", *columns[1:])
+    lines = [
+        "host reads per step; steps: " + ", ".join(decisions),
+        f"{'optimizer':{width}}" + "".join(f"{c:>{cols}}" for c in heads),
+    ]
+    for name, row in table.items():
+        lines.append(f"{name:{width}}" + "".join(f"{cell(row[c]):>{cols}}" for c in columns))
+    return "\n".join(lines)

@@ -40,13 +40,16 @@ from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_fi
 from gradlab.skip import StepGuard
 
 __all__ = [
+    "FAIL_FACTOR",
     "METHODS",
     "Experiment",
     "RunResult",
     "Setup",
     "Thresholds",
+    "acted_table",
     "band",
     "clean_statistics",
+    "clipped_displacement",
     "corrupt_labels",
     "corruption_schedule",
     "experiment_grid",
@@ -55,6 +58,8 @@ __all__ = [
     "make_data",
     "norm_trace_figure",
     "run_experiment",
+    "seed_table",
+    "stall_table",
     "summary_rows",
     "thresholds_at",
     "train_run",
@@ -507,3 +512,97 @@ def grid_figure(
         fontsize=9,
     )
     return fig
+
+
+# ------------------------------------------------------------------------ tables
+
+#: A run *fails* when its final test loss is above this many times the median final
+#: test loss of the uncontrolled runs on clean data.
+FAIL_FACTOR = 3.0
+
+
+def _label(method: str) -> str:
+    return LABELS[method].replace(" (zero grads)", "").replace("the step ", "")
+
+
+def seed_table(
+    experiment: Experiment, reference: Experiment, fail_factor: float = FAIL_FACTOR
+) -> str:
+    """Every seed's final test loss, with the mean, the median and the failures.
+
+    ``reference`` holds the uncontrolled runs on clean data (method ``"none"``); a run
+    fails when its final test loss is above ``fail_factor`` times their median.
+    """
+    clean = np.array([r.final_test_loss for r in reference.runs["none"]])
+    limit = fail_factor * float(np.median(clean))
+    seeds = [r.seed for r in reference.runs["none"]]
+    head = f"{'final test loss':22}" + "".join(f"{f's{s}':>6}" for s in seeds)
+    lines = [head + f"{'mean':>7}{'median':>7}{'failed':>7}"]
+    rows = [("clean data, no control", clean)]
+    for method, runs in experiment.runs.items():
+        rows.append((_label(method), np.array([r.final_test_loss for r in runs])))
+    for label, finals in rows:
+        cells = "".join(f"{v:>6.2g}" for v in finals)
+        failed = f"{int(np.sum(~(finals <= limit)))}/{len(finals)}"
+        stats = f"{np.mean(finals):>7.3g}{np.median(finals):>7.3g}{failed:>7}"
+        lines.append(f"{label[:22]:22}{cells}{stats}")
+    lines.append(f"(failed: final test loss above {fail_factor:g} x {np.median(clean):.2g})")
+    return "\n".join(lines)
+
+
+def acted_table(experiment: Experiment) -> str:
+    """What each control acted on: share of steps, precision, recall, clean steps."""
+    lines = [f"{'steps acted on':22}{'share':>7}{'precision':>10}{'recall':>7}{'clean':>7}"]
+    for row in summary_rows(experiment):
+        runs = experiment.runs[row["method"]]
+        clean = np.concatenate([r.acted[~r.corrupted] for r in runs]).mean()
+        precision = "" if math.isnan(row["precision"]) else f"{100 * row['precision']:.0f}%"
+        recall = "" if math.isnan(row["recall"]) else f"{100 * row['recall']:.0f}%"
+        lines.append(
+            f"{_label(row['method'])[:22]:22}{100 * row['acted']:>6.0f}%{precision:>10}"
+            f"{recall:>7}{100 * clean:>6.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def stall_table(experiments: dict[float, Experiment], method: str = "ignore_norm") -> str:
+    """Seed by seed, for each threshold percentile: the final test loss, how many of
+    the first 30 steps the control acted on, and the last step it kept."""
+    lines = [
+        f"{'q':>3} {'tau':>6} {'seed':>4} {'final':>7} {'acted, steps 1-30':>18} {'last kept':>9}"
+    ]
+    for q, experiment in experiments.items():
+        for run in experiment.runs[method]:
+            kept = np.flatnonzero(~run.acted)
+            last = str(kept[-1] + 1) if kept.size else "none"
+            early = int(run.acted[:30].sum())
+            lines.append(
+                f"{q:>3g} {experiment.thresholds.norm:>6.3g} {run.seed:>4} "
+                f"{run.final_test_loss:>7.2g} {early:>18} {last:>9}"
+            )
+    return "\n".join(lines)
+
+
+def clipped_displacement(
+    tau: float, lr: float, momentum: float, steps: int = 300, repeat: bool = False
+) -> tuple[float, float]:
+    r"""How far ``torch.optim.SGD`` moves a parameter for a gradient of norm ``tau``.
+
+    ``repeat=False``: one gradient of norm ``tau``, then zero gradients; returns (the
+    first step's length, the total displacement after ``steps`` steps), which tends to
+    :math:`\eta\tau/(1-\mu)`. ``repeat=True``: the same gradient at every step; returns
+    (the first step's length, the last step's length), the steady state
+    :math:`\eta\tau/(1-\mu)` per step.
+    """
+    theta = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([theta], lr=lr, momentum=momentum)
+    g = torch.tensor([0.6, 0.8], dtype=torch.float64) * tau
+    lengths = []
+    for t in range(steps):
+        before = theta.detach().clone()
+        theta.grad = g.clone() if (repeat or t == 0) else torch.zeros_like(g)
+        opt.step()
+        lengths.append(float(torch.linalg.vector_norm(theta.detach() - before)))
+    if repeat:
+        return lengths[0], lengths[-1]
+    return lengths[0], float(torch.linalg.vector_norm(theta.detach()))
