@@ -205,6 +205,7 @@ class StepGuard:
     ``fused=True`` Adam, AdamW, SGD, Adagrad            1           0            0
     SGD, Adadelta, RMSprop, Muon, capturable Adam(W)    1           0            0
     Adam, AdamW, Adamax, RAdam, Adagrad                 1 + k       k            k
+    Adam, AdamW with ``foreach=True``                   1 + 2k      2k           2k
     NAdam, ASGD, Adafactor                              1 + 3k      3k           3k
     Rprop                                               1 + 4k      4k           4k
     LBFGS (``step(closure)``)                           1 + own     1 + own      many
