@@ -361,13 +361,6 @@ def fit_report(sweep: Sweep, models: dict[str, CostModel]) -> str:
 # ------------------------------------------------------------------------- figures
 
 
-def _log_if_positive(ax, axis: str, *arrays) -> None:
-    """Use a log scale on ``axis`` only if some value is finite and positive."""
-    values = np.concatenate([np.ravel(np.asarray(a, dtype=float)) for a in arrays] or [[]])
-    if np.any(np.isfinite(values) & (values > 0)):
-        getattr(ax, f"set_{axis}scale")("log")
-
-
 def overhead_figure(sweep: Sweep, names: Sequence[str] | None = None) -> Figure:
     """Time over the one-pass floor, as the same numbers are split into more tensors."""
     names = [n for n in (names or sweep.times) if n != FLOOR]

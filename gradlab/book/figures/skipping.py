@@ -1,4 +1,4 @@
-r"""Figures for chapter 8: zeroing a gradient is not skipping a step.
+r"""Zeroing a gradient is not skipping a step (taught in book/training/skip_step).
 
 Three runs of the same small MLP from :mod:`gradlab.book.demos` see the same clean
 minibatches; two of them also see one bad batch (targets a thousand times too

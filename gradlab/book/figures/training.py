@@ -1,4 +1,4 @@
-r"""Chapter 7: clip versus ignore in a small, reproducible training experiment.
+r"""Clip versus ignore in a small, reproducible training experiment (book/training/clip_vs_ignore).
 
 A two-layer MLP learns a noisy linear teacher with SGD and momentum. At every step a
 seeded coin decides whether the batch is *corrupted*: its labels get Gaussian noise
