@@ -80,7 +80,11 @@ def _nested(values: object) -> str:
 def _tensor_text(t: Tensor | None) -> str:
     if t is None:
         return "None"
-    text = _nested(t.detach().to("cpu", torch.float64).tolist())
+    if t.numel() > 12:  # a long tensor: say what it holds, not every entry
+        t64 = t.detach().to("cpu", torch.float64).abs()
+        text = f"<{t.numel()} entries, largest |entry| {_num(t64.max())}>"
+    else:
+        text = _nested(t.detach().to("cpu", torch.float64).tolist())
     if t.dtype != torch.float32:
         text += f" ({str(t.dtype).replace('torch.', '')})"
     return text
@@ -166,6 +170,16 @@ def _tolerance(dtypes: Sequence[torch.dtype]) -> tuple[float, float]:
     return 1e-9, 1e-12
 
 
+def _identical(a: Tensor, b: Tensor) -> bool:
+    """Same dtype, shape and bits: NaN where the other has NaN, inf where it has inf."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    return torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+
+
 def _same(expected: Tensor, got: Tensor, rtol: float, atol: float) -> bool:
     """Equal shapes and values within tolerance; NaN matches NaN, inf matches inf."""
     if tuple(expected.shape) != tuple(got.shape):
@@ -182,15 +196,16 @@ class _GradCase:
     """One input to a gradient-modifying function.
 
     ``grads`` holds the gradient values (None: a parameter without a gradient);
-    ``kind`` says how the parameters are handed over: a list, a generator, or the
-    generator ``model.parameters()`` of an ``nn.Linear``.
+    ``kind`` says how the parameters are handed over: a list, a generator, the
+    generator ``model.parameters()`` of an ``nn.Linear``, or one bare tensor (as
+    ``torch.nn.utils`` accepts).
     """
 
     title: str
     grads: tuple[Tensor | None, ...]
     threshold: float
     norm_type: float = 2.0
-    kind: str = "list"  # "list", "generator" or "module"
+    kind: str = "list"  # "list", "generator", "module" or "tensor"
     hint: str = ""
 
 
@@ -217,6 +232,9 @@ def _build(case: _GradCase):
         params.append(p)
     if case.kind == "generator":
         return (p for p in params), params
+    if case.kind == "tensor":
+        (param,) = params  # one bare tensor, not in a list
+        return param, params
     return params, params
 
 
@@ -225,6 +243,7 @@ def _describe(case: _GradCase) -> str:
         "list": "a list of parameters",
         "generator": "a generator of parameters (it can be iterated only once)",
         "module": "model.parameters() of an nn.Linear(3, 2) (a generator: one pass only)",
+        "tensor": "one bare tensor, not in a list (as torch.nn.utils accepts)",
     }[case.kind]
     return f"{case.title}; {how}"
 
@@ -269,8 +288,18 @@ def _norm_cases(fn_name: str) -> list[_GradCase]:
         cases.append(_GradCase(title, tuple(grads), max_norm, p, kind, hint))
 
     one = (_t([3.0, -4.0]),)
+    bare_hint = (
+        "A single tensor may be passed instead of a list: "
+        "if isinstance(parameters, torch.Tensor): parameters = [parameters]."
+    )
     add("one tensor, total 2-norm 5, under the threshold", one, 10.0)
-    add("one tensor, total 2-norm 5, over the threshold", one, 2.0)
+    add(
+        "one tensor, total 2-norm 5, over the threshold",
+        one,
+        2.0,
+        kind="tensor",
+        hint=bare_hint,
+    )
     add(f"three tensors, total 2-norm {_num(n2)}, under the threshold", three, 2 * n2)
     add(
         f"three tensors, total 2-norm {_num(n2)}, over the threshold",
@@ -405,8 +434,18 @@ def _value_cases(fn_name: str) -> list[_GradCase]:
         else ""
     )
     one = (_t([0.25, -0.75, 0.5]),)
+    bare_hint = (
+        "A single tensor may be passed instead of a list: "
+        "if isinstance(parameters, torch.Tensor): parameters = [parameters]."
+    )
     add("one tensor, every |entry| below the threshold", one, 1.0)
-    add("one tensor, entries above the threshold on both signs", (_t([2.0, -3.0, 0.5]),), 1.0)
+    add(
+        "one tensor, entries above the threshold on both signs",
+        (_t([2.0, -3.0, 0.5]),),
+        1.0,
+        kind="tensor",
+        hint=bare_hint,
+    )
     three = (_t([0.5, -0.25]), _t([[0.125, 0.75], [-0.5, 0.0]]), _t([0.25, 1.5, -0.5]))
     add(
         "three tensors, only one entry of the last tensor is above",
@@ -445,6 +484,33 @@ def _value_cases(fn_name: str) -> list[_GradCase]:
     empty_hint = "With no gradients there is nothing to change: do nothing, without error."
     add("two parameters, neither has a gradient", (None, None), 1.0, hint=empty_hint)
     add("no parameters at all (an empty list)", (), 1.0, hint=empty_hint)
+    empty_entries_hint = (
+        "A gradient with no entries adds nothing (its largest |entry| counts as 0), but "
+        ".max() and vector_norm(g, inf) of an empty tensor raise: leave out the "
+        "gradients with g.numel() == 0."
+    )
+    add(
+        "one parameter whose gradient has no entries (shape (0,))",
+        (torch.zeros(0),),
+        1.0,
+        hint=empty_entries_hint,
+    )
+    add(
+        "a 0-entry gradient beside a normal one, above",
+        (torch.zeros(0), _t([0.5, -3.0])),
+        1.0,
+        hint=empty_entries_hint,
+    )
+    mixed_hint = (
+        "Compare in the widest dtype of all the gradients (float64 if any is float64): "
+        "1 - 1e-9 rounds to 1 in float32."
+    )
+    add(
+        "a float32 and a float64 tensor, largest |entry| 1 - 1e-9, just below 1",
+        (_t([0.5, -0.25]), _t([1.0 - 1e-9, 0.5], torch.float64)),
+        1.0,
+        hint=mixed_hint,
+    )
     gen_hint = "A generator is used up after one pass: turn it into a list first."
     add("three tensors, above", three, 1.0, kind="generator", hint=gen_hint)
     add("three tensors, below", three, 2.0, kind="generator", hint=gen_hint)
@@ -724,8 +790,10 @@ def check_total_norm(fn: Callable) -> bool:
     on every case: the result is a 0-dim tensor equal, within a tolerance suited to
     the dtype, to ``(sum of |x|**p over every entry) ** (1/p)``, or the largest
     ``|x|`` for ``norm_type=inf``; NaN entries give NaN, infinite ones inf; no
-    tensors give ``tensor(0.)``; a generator of tensors works; the tensors are not
-    modified.
+    tensors give ``tensor(0.)``; a generator of tensors, and one bare tensor not in
+    a list, work; 16-bit inputs give a float32 (or wider) result, also where a
+    per-tensor or the total norm exceeds float16's largest value 65504; the tensors
+    are not modified, NaN and inf entries included.
     """
     if not callable(fn):
         _say([f"Expected a function, got {_value_text(fn)}."])
@@ -735,8 +803,23 @@ def check_total_norm(fn: Callable) -> bool:
     for p in (1.0, 2.0, 3.5, _INF):
         cases.append((f"one tensor, norm_type={_num(p)}", (_t([3.0, -4.0]),), p, False))
         cases.append((f"three tensors, norm_type={_num(p)}", three, p, False))
+    big16 = torch.full((10_000,), 1000.0, dtype=torch.float16)  # 2-norm 1e5 > 65504
+    half16 = torch.full((2_500,), 1000.0, dtype=torch.float16)  # 2-norm 5e4 each
     cases += [
         ("three tensors given as a generator, norm_type=2", three, 2.0, True),
+        ("one bare 0-dim tensor, not in a list, norm_type=2", torch.tensor(-3.0), 2.0, False),
+        (
+            "one float16 tensor of 10000 entries of 1000: 2-norm 1e5, above 65504",
+            (big16,),
+            2.0,
+            False,
+        ),
+        (
+            "two float16 tensors, each 2-norm 5e4: total 7.071e4, above 65504",
+            (half16, half16.clone()),
+            2.0,
+            False,
+        ),
         ("three float64 tensors, norm_type=2", _three(60, dtype=torch.float64), 2.0, False),
         ("three float64 tensors, norm_type=inf", _three(60, dtype=torch.float64), _INF, False),
         (
@@ -770,25 +853,44 @@ def check_total_norm(fn: Callable) -> bool:
             False,
         ),
     ]
-    for index, (title, tensors, p, as_gen) in enumerate(cases, start=1):
+    for index, (title, given, p, as_gen) in enumerate(cases, start=1):
+        bare = isinstance(given, Tensor)
+        tensors = (given,) if bare else given
         inputs = [t.clone() for t in tensors]
-        arg = (t for t in inputs) if as_gen else inputs
+        arg = inputs[0] if bare else ((t for t in inputs) if as_gen else inputs)
         call_text = f"fn(tensors, norm_type={_num(p)})"
         header = [
             f"Case {index} of {len(cases)} fails: {title}.",
             f"  call:     {call_text}",
             f"  tensors:  {_grads_text(list(tensors))}",
         ]
+        bare_hint = (
+            "  Hint: one tensor may be passed instead of a list: "
+            "if isinstance(tensors, torch.Tensor): tensors = [tensors]."
+        )
         try:
             result = _call(fn, call_text, arg, p)
         except _Raised as raised:
             if raised.lines[0].startswith("Not implemented"):
                 _say(raised.lines)
             else:
-                _say([*header, *_indented(raised.lines)])
+                _say([*header, *_indented(raised.lines), *([bare_hint] if bare else [])])
             return False
         expected = _norm64(tensors, p)
         rtol, atol = _tolerance([t.dtype for t in tensors])
+        half = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
+        narrow = isinstance(result, Tensor) and result.dtype in (torch.float16, torch.bfloat16)
+        if half and narrow:
+            _say(
+                [
+                    *header,
+                    f"  expected: tensor({_num(float(expected))}) in float32 (a 0-dim tensor)",
+                    f"  yours:    {_value_text(result)} ({str(result.dtype)[6:]})",
+                    "  Hint: a 16-bit norm overflows above 65504 (float16) or loses digits "
+                    "(bfloat16): accumulate and return it in float32.",
+                ]
+            )
+            return False
         if not (
             isinstance(result, Tensor) and result.dim() == 0 and _same(expected, result, rtol, atol)
         ):
@@ -797,6 +899,8 @@ def check_total_norm(fn: Callable) -> bool:
                 hint = ["  Hint: the norm of nothing is tensor(0.)."]
             elif as_gen:
                 hint = ["  Hint: a generator is used up after one pass: turn it into a list first."]
+            elif bare:
+                hint = [bare_hint]
             _say(
                 [
                     *header,
@@ -807,7 +911,7 @@ def check_total_norm(fn: Callable) -> bool:
             )
             return False
         for i, (t, t_in) in enumerate(zip(tensors, inputs, strict=True)):
-            if not torch.equal(t.nan_to_num(), t_in.nan_to_num()) or t.dtype != t_in.dtype:
+            if not _identical(t, t_in):
                 _say(
                     [
                         *header,
@@ -873,6 +977,14 @@ _GUARD_STEPS: list[tuple[float, str]] = [
     (1.0, "inf"),
     (1.0, ""),
 ]
+# The same, with a bad first step: a skip before the optimizer has any state must not
+# create it (Adam's moments and step count, the momentum buffers).
+_GUARD_STEPS_BAD_FIRST: list[tuple[float, str]] = [
+    (100.0, ""),
+    (1.0, ""),
+    (1.0, "nan"),
+    (1.0, ""),
+]
 
 
 def check_guarded_step(fn: Callable) -> bool:
@@ -890,9 +1002,11 @@ def check_guarded_step(fn: Callable) -> bool:
     Checked: a sequence of seven steps (normal, normal, a norm 100 times larger,
     a NaN gradient, normal, an infinite gradient, normal) with plain SGD, SGD with
     momentum and weight decay, Adam and AdamW, some with a frozen parameter and with
-    ``model.parameters()`` passed as a generator. After every step the return value,
-    the parameters and the optimizer state must equal an independent reference run
-    bit for bit (taken steps call ``optimizer.step()`` on identical models).
+    ``model.parameters()`` passed as a generator; and, with SGD with momentum, Adam
+    and AdamW, a sequence whose *first* step is bad (no state may be created). After
+    every step the return value, the parameters and the optimizer state must equal an
+    independent reference run bit for bit (taken steps call ``optimizer.step()`` on
+    identical models).
     """
     if not callable(fn):
         _say([f"Expected a function, got {_value_text(fn)}."])
@@ -900,12 +1014,14 @@ def check_guarded_step(fn: Callable) -> bool:
     max_norm = 5.0
     runs = []
     for name, make in _OPTIMIZERS:
-        runs.append((name, make, False, False))
-    runs.append((_OPTIMIZERS[2][0], _OPTIMIZERS[2][1], True, True))
-    runs.append((_OPTIMIZERS[1][0], _OPTIMIZERS[1][1], True, True))
-    total_cases = len(runs) * len(_GUARD_STEPS)
+        runs.append((name, make, False, False, _GUARD_STEPS))
+    runs.append((_OPTIMIZERS[2][0], _OPTIMIZERS[2][1], True, True, _GUARD_STEPS))
+    runs.append((_OPTIMIZERS[1][0], _OPTIMIZERS[1][1], True, True, _GUARD_STEPS))
+    for name, make in _OPTIMIZERS[1:]:
+        runs.append((name, make, False, False, _GUARD_STEPS_BAD_FIRST))
+    total_cases = sum(len(run[-1]) for run in runs)
     index = 0
-    for run_no, (opt_name, make, as_generator, frozen) in enumerate(runs):
+    for run_no, (opt_name, make, as_generator, frozen, steps) in enumerate(runs):
         ref_model = _guard_model(run_no, frozen)
         model = _guard_model(run_no, frozen)
         ref_params = [p for p in ref_model.parameters() if p.requires_grad]
@@ -917,7 +1033,7 @@ def check_guarded_step(fn: Callable) -> bool:
             + (", parameters passed as model.parameters() (a generator)" if as_generator else "")
             + (", one parameter frozen (its .grad is None)" if frozen else "")
         )
-        for step_no, (scale, poison) in enumerate(_GUARD_STEPS, start=1):
+        for step_no, (scale, poison) in enumerate(steps, start=1):
             index += 1
             gen = torch.Generator().manual_seed(100 * run_no + step_no)
             grads = [torch.randn(p.shape, generator=gen) * scale for p in params]
@@ -939,7 +1055,7 @@ def check_guarded_step(fn: Callable) -> bool:
             verdict = "must be taken" if take else "must be skipped"
             header = [
                 f"Case {index} of {total_cases} fails: {setup}.",
-                f"  step {step_no} of {len(_GUARD_STEPS)}: {what}, so the step {verdict}.",
+                f"  step {step_no} of {len(steps)}: {what}, so the step {verdict}.",
             ]
             arg = model.parameters() if as_generator else params
             call_text = "fn(parameters, optimizer, max_norm)"
@@ -1028,20 +1144,33 @@ def check_threshold_choice(
     outlier_norms: Sequence[float] | Tensor,
     *,
     keep_fraction: float = 0.99,
+    catch_fraction: float = 1.0,
 ) -> bool:
     """Check a ``max_norm`` chosen for ignore-by-norm on a recorded run.
 
     ``clean_norms`` are the total gradient norms of the run's ordinary batches,
-    ``outlier_norms`` those of the batches known to be bad (they may be inf or NaN).
+    ``outlier_norms`` those of the batches known to be bad (they may be inf or NaN;
+    a NaN clean norm counts as a clean step that every threshold ignores). The
+    labels are the grader's: the exercise picks the threshold without them (from the
+    norms of the first healthy steps, say) and this check scores it on the whole run.
     A step is kept exactly when ``grad_ignore_norm_`` would keep it:
     ``threshold / (norm + 1e-6) >= 1`` (and the norm is not NaN). The threshold passes
     when it is a non-negative real number that
 
     1. keeps at least ``keep_fraction`` (default 99%) of the clean steps, and
-    2. ignores every outlier step.
+    2. ignores at least ``catch_fraction`` (default all) of the outlier steps.
 
-    The verdict lists how many clean steps it keeps and which steps break a rule.
+    Both fractions must lie in [0, 1]. The verdict lists how many steps it keeps and
+    which steps break a rule.
     """
+    for name, fraction in (("keep_fraction", keep_fraction), ("catch_fraction", catch_fraction)):
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, numbers.Real)
+            or not 0.0 <= float(fraction) <= 1.0
+        ):
+            _say([f"{name} must be a number from 0 to 1, got {_value_text(fraction)}."])
+            return False
     try:
         clean = _floats(clean_norms, "clean_norms")
         outliers = _floats(outlier_norms, "outlier_norms")
@@ -1066,10 +1195,17 @@ def check_threshold_choice(
     dropped_clean = sorted((n for n in clean if not kept(n)), reverse=True)
     leaked = sorted(n for n in outliers if kept(n))
     needed = math.ceil(keep_fraction * len(clean) - 1e-9)
+    caught = len(outliers) - len(leaked)
+    to_catch = math.ceil(catch_fraction * len(outliers) - 1e-9)
+    rule = (
+        "all required"
+        if to_catch == len(outliers)
+        else f"at least {to_catch}, {100 * catch_fraction:.3g}%, required"
+    )
     lines = [
         f"Threshold {_num(tau)}: keeps {kept_clean} of {len(clean)} clean steps "
         f"({100 * share:.1f}%; at least {needed}, {100 * keep_fraction:.3g}%, required) and "
-        f"ignores {len(outliers) - len(leaked)} of {len(outliers)} outlier steps (all required)."
+        f"ignores {caught} of {len(outliers)} outlier steps ({rule})."
     ]
     ok = True
     if kept_clean < needed:
@@ -1077,16 +1213,20 @@ def check_threshold_choice(
         shown = ", ".join(_num(n) for n in dropped_clean[:5])
         more = f" and {len(dropped_clean) - 5} more" if len(dropped_clean) > 5 else ""
         lines.append(f"  Too low: it ignores clean steps with norms {shown}{more}.")
-    if leaked:
+    if caught < to_catch:
         ok = False
         shown = ", ".join(_num(n) for n in leaked[:5])
         more = f" and {len(leaked) - 5} more" if len(leaked) > 5 else ""
         lines.append(f"  Too high: it keeps outlier steps with norms {shown}{more}.")
     if not ok:
-        finite_outliers = [n for n in outliers if not math.isnan(n)]
-        lowest_outlier = min(finite_outliers) if finite_outliers else _INF
+        # the threshold must keep the `needed`-th smallest clean norm and stay below the
+        # `to_catch`-th largest outlier norm (NaN: ignored by every threshold)
         ranked = sorted(n for n in clean if not math.isnan(n))
-        if needed > 0 and ranked and ranked[needed - 1] >= lowest_outlier:
+        catchable = sorted((n for n in outliers if not math.isnan(n)), reverse=True)
+        nan_outliers = len(outliers) - len(catchable)
+        must_catch = to_catch - nan_outliers
+        lowest = catchable[must_catch - 1] if 0 < must_catch <= len(catchable) else _INF
+        if needed > len(ranked) or (needed > 0 and ranked[needed - 1] >= lowest):
             lines.append(
                 "  No threshold can meet both rules on these numbers: the smallest outlier is "
                 "below the norm needed to keep enough clean steps."

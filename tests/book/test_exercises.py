@@ -21,15 +21,22 @@ from gradlab.book import exercises as ex
 
 
 def ref_total_norm(tensors, norm_type=2.0):
-    tensors = list(tensors)
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if norm_type == math.inf:  # the inf norm of an empty tensor raises; it adds nothing
+        tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         return torch.tensor(0.0)
     norms = [torch.linalg.vector_norm(t.double(), norm_type) for t in tensors]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
+def _plist(parameters):
+    """A list of the parameters; one bare tensor, as torch.nn.utils allows, too."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
 def _grads(parameters):
-    return [p.grad for p in parameters if p.grad is not None]
+    return [p.grad for p in _plist(parameters) if p.grad is not None]
 
 
 def ref_clip_grad_norm_(parameters, max_norm, norm_type=2.0):
@@ -65,7 +72,7 @@ def ref_grad_ignore_value_(parameters, clip_value):
 
 
 def ref_guarded_step(parameters, optimizer, max_norm):
-    total = ref_total_norm(_grads(list(parameters)), 2.0)
+    total = ref_total_norm(_grads(parameters), 2.0)
     if bool(torch.isfinite(total)) and bool(max_norm / (total + 1e-6) >= 1.0):
         optimizer.step()
         return True
@@ -100,7 +107,6 @@ def assert_fails(check, fn, capsys, *fragments):
     [
         (ex.check_total_norm, ref_total_norm),
         (ex.check_total_norm, gradlab.get_total_norm),
-        (ex.check_total_norm, torch.nn.utils.get_total_norm),
         (ex.check_clip_grad_norm, ref_clip_grad_norm_),
         (ex.check_clip_grad_norm, gradlab.clip_grad_norm_),
         (ex.check_clip_grad_norm, torch.nn.utils.clip_grad_norm_),
@@ -148,7 +154,7 @@ def test_host_read_detector_leaves_tensor_methods_alone():
 
 def _ignore_norm_mask_assign(parameters, max_norm, norm_type=2.0):
     # Right values, but a boolean mask becomes indices on the host first.
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     keep = max_norm / (total + 1e-6) >= 1.0
     for g in grads:
@@ -245,7 +251,7 @@ def test_wrong_signature_is_reported(capsys):
 
 
 def _nan_hole_mask(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     keep = (total <= max_norm).to(torch.float32)
     for g in grads:
@@ -254,7 +260,7 @@ def _nan_hole_mask(parameters, max_norm, norm_type=2.0):
 
 
 def _nan_hole_if(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     coef = max_norm / (total + 1e-6)
     if coef < 1:
@@ -265,7 +271,7 @@ def _nan_hole_if(parameters, max_norm, norm_type=2.0):
 
 def _nan_hole_where_gt(parameters, max_norm, norm_type=2.0):
     # Device-side, but "ignore if total > max_norm" is False for NaN: NaN stays.
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     for g in grads:
         g.copy_(torch.where(total > max_norm, torch.zeros_like(g), g))
@@ -273,7 +279,7 @@ def _nan_hole_where_gt(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_some_tensors(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     keep = max_norm / (total + 1e-6) >= 1.0
     grads[0].copy_(torch.where(keep, grads[0], torch.zeros_like(grads[0])))
@@ -281,7 +287,7 @@ def _ignore_norm_some_tensors(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_per_tensor(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     for g in grads:
         keep = max_norm / (torch.linalg.vector_norm(g, norm_type) + 1e-6) >= 1.0
@@ -290,7 +296,7 @@ def _ignore_norm_per_tensor(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_none_crash(parameters, max_norm, norm_type=2.0):
-    params = list(parameters)
+    params = _plist(parameters)
     grads = [p.grad for p in params]
     total = ref_total_norm(grads, norm_type)  # crashes on None
     keep = max_norm / (total + 1e-6) >= 1.0
@@ -300,7 +306,7 @@ def _ignore_norm_none_crash(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_none_to_zero(parameters, max_norm, norm_type=2.0):
-    params = list(parameters)
+    params = _plist(parameters)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -308,7 +314,7 @@ def _ignore_norm_none_to_zero(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_item(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     keep = math.isfinite(total.item()) and max_norm / (total.item() + 1e-6) >= 1
     if not keep:
@@ -318,7 +324,7 @@ def _ignore_norm_item(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_tolist(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     value = total.reshape(1).tolist()[0]
     keep = value == value and max_norm / (value + 1e-6) >= 1
@@ -329,7 +335,7 @@ def _ignore_norm_tolist(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_empty_crash(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     flat = torch.cat([g.reshape(-1).double() for g in grads])  # fails on []
     total = torch.linalg.vector_norm(flat, norm_type)
     keep = max_norm / (total + 1e-6) >= 1.0
@@ -347,7 +353,7 @@ def _ignore_norm_generator_twice(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_returns_after(parameters, max_norm, norm_type=2.0):
-    params = list(parameters)
+    params = _plist(parameters)
     ref_grad_ignore_norm_(params, max_norm, norm_type)
     return ref_total_norm(_grads(params), norm_type)
 
@@ -365,7 +371,7 @@ def _ignore_norm_clips(parameters, max_norm, norm_type=2.0):
 
 
 def _ignore_norm_touches_params(parameters, max_norm, norm_type=2.0):
-    params = list(parameters)
+    params = _plist(parameters)
     total = ref_grad_ignore_norm_(params, max_norm, norm_type)
     with torch.no_grad():
         for p in params:
@@ -393,6 +399,7 @@ def _ignore_norm_touches_params(parameters, max_norm, norm_type=2.0):
         (_ignore_norm_always_2, ["norm_type=1"]),
         (_ignore_norm_clips, ["over the threshold", "expected gradients: [[0, 0]]"]),
         (_ignore_norm_touches_params, ["changed the values of parameter 0"]),
+        (lambda ps, m, norm_type=2.0: ref_grad_ignore_norm_(list(ps), m), ["one bare tensor"]),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -403,7 +410,8 @@ def test_ignore_norm_rejects(fn, fragments, capsys):
 def test_failure_report_shows_input_expected_and_got(capsys):
     out = assert_fails(ex.check_grad_ignore_norm, _ignore_norm_clips, capsys)
     assert out.splitlines()[:5] == [
-        "Case 2 of 29 fails: one tensor, total 2-norm 5, over the threshold; a list of parameters.",
+        "Case 2 of 29 fails: one tensor, total 2-norm 5, over the threshold; "
+        "one bare tensor, not in a list (as torch.nn.utils accepts).",
         "  call:              fn(parameters, max_norm=2, norm_type=2)",
         "  gradients before:  [[3, -4]]",
         "  expected gradients: [[0, 0]]",
@@ -415,13 +423,13 @@ def test_failure_report_shows_input_expected_and_got(capsys):
 
 
 def _clip_norm_returns_after(parameters, max_norm, norm_type=2.0):
-    params = list(parameters)
+    params = _plist(parameters)
     ref_clip_grad_norm_(params, max_norm, norm_type)
     return ref_total_norm(_grads(params), norm_type)
 
 
 def _clip_norm_if(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     if total > max_norm:
         for g in grads:
@@ -431,7 +439,7 @@ def _clip_norm_if(parameters, max_norm, norm_type=2.0):
 
 def _clip_norm_no_eps_min(parameters, max_norm, norm_type=2.0):
     # Python min() compares tensors on the host.
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     coef = min(1.0, max_norm / (total + 1e-6))
     for g in grads:
@@ -440,7 +448,7 @@ def _clip_norm_no_eps_min(parameters, max_norm, norm_type=2.0):
 
 
 def _clip_norm_per_tensor(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     for g in grads:
         n = torch.linalg.vector_norm(g, norm_type)
@@ -449,7 +457,7 @@ def _clip_norm_per_tensor(parameters, max_norm, norm_type=2.0):
 
 
 def _clip_norm_where_keeps_nan(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     coef = max_norm / (total + 1e-6)
     for g in grads:
@@ -458,14 +466,14 @@ def _clip_norm_where_keeps_nan(parameters, max_norm, norm_type=2.0):
 
 
 def _clip_norm_first_only(parameters, max_norm, norm_type=2.0):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
     grads[0].mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
 
 
 def _clip_norm_none_crash(parameters, max_norm, norm_type=2.0):
-    grads = [p.grad for p in parameters]
+    grads = [p.grad for p in _plist(parameters)]
     total = ref_total_norm(grads, norm_type)
     for g in grads:
         g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
@@ -491,6 +499,7 @@ def _clip_norm_generator_twice(parameters, max_norm, norm_type=2.0):
         (ref_grad_ignore_norm_, ["over the threshold", "expected gradients: [[1.2, -1.6]]"]),
         (_clip_norm_none_crash, ["no gradient (None)", "Your function raised"]),
         (_clip_norm_generator_twice, ["generator", "one pass"]),
+        (lambda ps, m, norm_type=2.0: ref_clip_grad_norm_(list(ps), m), ["one bare tensor"]),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -502,7 +511,7 @@ def test_clip_norm_rejects(fn, fragments, capsys):
 
 
 def _ignore_value_gt(parameters, clip_value):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     largest = ref_total_norm(grads, math.inf)
     ignore = ~(largest <= clip_value)  # '>' instead of '>=', written NaN-safely
     for g in grads:
@@ -511,7 +520,7 @@ def _ignore_value_gt(parameters, clip_value):
 
 
 def _ignore_value_mask_mul(parameters, clip_value):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     largest = ref_total_norm(grads, math.inf)
     keep = (largest < clip_value).to(torch.float32)
     for g in grads:
@@ -520,7 +529,7 @@ def _ignore_value_mask_mul(parameters, clip_value):
 
 
 def _ignore_value_per_tensor(parameters, clip_value):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     largest = ref_total_norm(grads, math.inf)
     for g in grads:
         g.masked_fill_(~(g.abs().amax() < clip_value), 0.0)
@@ -528,7 +537,7 @@ def _ignore_value_per_tensor(parameters, clip_value):
 
 
 def _ignore_value_item(parameters, clip_value):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     largest = ref_total_norm(grads, math.inf)
     if not largest.item() < clip_value:
         for g in grads:
@@ -537,7 +546,7 @@ def _ignore_value_item(parameters, clip_value):
 
 
 def _ignore_value_none_crash(parameters, clip_value):
-    grads = [p.grad for p in parameters]
+    grads = [p.grad for p in _plist(parameters)]
     largest = torch.stack([g.abs().amax() for g in grads]).amax()
     for g in grads:
         g.masked_fill_(~(largest < clip_value), 0.0)
@@ -545,7 +554,7 @@ def _ignore_value_none_crash(parameters, clip_value):
 
 
 def _ignore_value_empty_crash(parameters, clip_value):
-    grads = _grads(list(parameters))
+    grads = _grads(parameters)
     largest = torch.stack([g.abs().amax() for g in grads]).amax()
     keep = largest < clip_value
     for g in grads:
@@ -553,9 +562,44 @@ def _ignore_value_empty_crash(parameters, clip_value):
     return largest
 
 
+def _ignore_value_old_solution(parameters, clip_value):
+    # the chapter's first published solution: .max() of an empty gradient raises, and
+    # the dtype of the first gradient (float32) rounds a float64 1 - 1e-9 up to 1
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    wide = torch.promote_types(grads[0].dtype, torch.float32)
+    largest = torch.stack([g.abs().max().to(wide) for g in grads]).max()
+    keep = largest.double() < clip_value
+    for g in grads:
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return largest
+
+
+def _ignore_value_first_dtype(parameters, clip_value):
+    # empty gradients handled, but the comparison is in the first gradient's dtype
+    grads = [g for g in _grads(parameters) if g.numel() > 0]
+    if not grads:
+        return torch.tensor(0.0)
+    wide = torch.promote_types(grads[0].dtype, torch.float32)
+    largest = torch.stack([g.abs().max().to(wide) for g in grads]).max()
+    for g in _grads(parameters):
+        g.copy_(torch.where(largest.double() < clip_value, g, torch.zeros_like(g)))
+    return largest
+
+
+def _ignore_value_no_bare_tensor(parameters, clip_value):
+    return ref_grad_ignore_value_(list(parameters), clip_value)
+
+
 @pytest.mark.parametrize(
     "fn, fragments",
     [
+        (_ignore_value_old_solution, ["has no entries", "Your function raised RuntimeError"]),
+        (_ignore_value_first_dtype, ["1 - 1e-9", "widest dtype"]),
+        (_ignore_value_no_bare_tensor, ["one bare tensor", "isinstance(parameters"]),
         (_ignore_value_gt, ["equals the threshold exactly", "(reaching the threshold counts)"]),
         (_ignore_value_mask_mul, ["one entry is NaN", "NaN * 0 is NaN"]),
         (_ignore_value_per_tensor, ["only one entry of the last tensor"]),
@@ -576,11 +620,13 @@ def _clip_value_returns(parameters, clip_value):
 
 
 def _clip_value_none_crash(parameters, clip_value):
-    for p in parameters:
+    for p in _plist(parameters):
         p.grad.clamp_(-clip_value, clip_value)
 
 
 def _clip_value_generator_twice(parameters, clip_value):
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
     for p in parameters:
         if p.grad is not None:
             p.grad.clamp_(max=clip_value)
@@ -608,6 +654,7 @@ def _clip_value_nan_to_zero(parameters, clip_value):
         (_clip_value_positive_only, ["both signs"]),
         (_clip_value_nan_to_zero, ["one entry is NaN", "torch.clamp leaves a NaN entry NaN"]),
         (ref_grad_ignore_value_, ["expected return value: None"]),
+        (lambda ps, c: ref_clip_grad_value_(list(ps), c), ["one bare tensor"]),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -631,7 +678,8 @@ def _norm_always_2(tensors, norm_type=2.0):
 
 
 def _norm_cat_empty_crash(tensors, norm_type=2.0):
-    return torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in tensors]), norm_type)
+    flat = [t.reshape(-1).to(torch.promote_types(t.dtype, torch.float32)) for t in _plist(tensors)]
+    return torch.linalg.vector_norm(torch.cat(flat), norm_type)
 
 
 def _norm_shape_1(tensors, norm_type=2.0):
@@ -645,7 +693,35 @@ def _norm_generator_twice(tensors, norm_type=2.0):
 
 
 def _norm_nan_to_zero(tensors, norm_type=2.0):
-    return ref_total_norm([t.nan_to_num(0.0, posinf=0.0, neginf=0.0) for t in tensors], norm_type)
+    clean = [t.nan_to_num(0.0, posinf=0.0, neginf=0.0) for t in _plist(tensors)]
+    return ref_total_norm(clean, norm_type)
+
+
+def _norm_rewrites_nan_in_place(tensors, norm_type=2.0):
+    tensors = _plist(tensors)
+    total = ref_total_norm(tensors, norm_type)  # right, but then "cleans" the inputs
+    for t in tensors:
+        t.nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+    return total
+
+
+def _norm_no_bare_tensor(tensors, norm_type=2.0):
+    return ref_total_norm(list(tensors), norm_type)
+
+
+def _norm_float16_result(tensors, norm_type=2.0):
+    # accumulated in float32, but handed back in the inputs' dtype
+    tensors = _plist(tensors)
+    total = ref_total_norm(tensors, norm_type).float()
+    return total.to(tensors[0].dtype) if tensors else total
+
+
+def _norm_per_tensor_in_float16(tensors, norm_type=2.0):
+    # per-tensor norms stored in the input dtype (as torch.nn.utils does), summed wide
+    norms = [torch.linalg.vector_norm(t, norm_type) for t in _plist(tensors)]
+    if not norms:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(torch.stack([n.double() for n in norms]), norm_type)
 
 
 def _norm_modifies_input(tensors, norm_type=2.0):
@@ -666,6 +742,11 @@ def _norm_modifies_input(tensors, norm_type=2.0):
         (_norm_generator_twice, ["generator", "one pass"]),
         (_norm_nan_to_zero, ["NaN"]),
         (_norm_modifies_input, ["modified tensor"]),
+        (_norm_rewrites_nan_in_place, ["one entry is NaN", "modified tensor"]),
+        (_norm_no_bare_tensor, ["one bare 0-dim tensor", "isinstance(tensors, torch.Tensor)"]),
+        (_norm_float16_result, ["above 65504", "(float16)", "return it in float32"]),
+        (_norm_per_tensor_in_float16, ["above 65504", "yours:    tensor(inf)"]),
+        (torch.nn.utils.get_total_norm, ["above 65504", "tensor(inf) (float16)"]),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -686,14 +767,14 @@ def _step_never(parameters, optimizer, max_norm):
 
 
 def _step_zero_grads_then_step(parameters, optimizer, max_norm):
-    params = list(parameters)
+    params = _plist(parameters)
     taken = ref_grad_ignore_norm_(params, max_norm) <= max_norm
     optimizer.step()  # Adam and momentum still move on zero gradients
     return bool(taken)
 
 
 def _step_nan_hole(parameters, optimizer, max_norm):
-    total = ref_total_norm(_grads(list(parameters)), 2.0)
+    total = ref_total_norm(_grads(parameters), 2.0)
     if total > max_norm:  # False for NaN: a NaN step is taken
         return False
     optimizer.step()
@@ -701,7 +782,7 @@ def _step_nan_hole(parameters, optimizer, max_norm):
 
 
 def _step_clips_instead(parameters, optimizer, max_norm):
-    params = list(parameters)
+    params = _plist(parameters)
     total = ref_clip_grad_norm_(params, max_norm)
     if not bool(torch.isfinite(total)):
         return False
@@ -748,9 +829,23 @@ def test_guarded_step_accepts_a_tensor_bool(capsys):
     assert_passes(ex.check_guarded_step, tensor_bool, capsys)
 
 
+def test_guarded_step_makes_the_first_step_bad(capsys):
+    # a "warm-up" that always takes the first step passed when it was never bad
+    def takes_the_first_step(parameters, optimizer, max_norm):
+        params = _plist(parameters)
+        if not getattr(optimizer, "warmed_up", False):
+            optimizer.warmed_up = True
+            optimizer.step()
+            return True
+        return ref_guarded_step(params, optimizer, max_norm)
+
+    out = assert_fails(ex.check_guarded_step, takes_the_first_step, capsys, "must be skipped")
+    assert "step 1 of 4" in out
+
+
 def test_guarded_step_names_the_state_that_moved(capsys):
     def zero_then_step(parameters, optimizer, max_norm):
-        params = list(parameters)
+        params = _plist(parameters)
         total = ref_total_norm(_grads(params), 2.0)
         ok = bool(torch.isfinite(total)) and bool(total <= max_norm)
         if not ok:
@@ -809,6 +904,30 @@ def test_threshold_choice_rejects(threshold, fragments, capsys):
 def test_threshold_choice_says_when_impossible(capsys):
     assert ex.check_threshold_choice(1.5, CLEAN, [1.2]) is False
     assert "No threshold can meet both rules" in capsys.readouterr().out
+
+
+def test_threshold_choice_survives_a_nan_clean_norm(capsys):
+    # a NaN clean norm is ignored by every threshold: no IndexError, a verdict
+    assert ex.check_threshold_choice(1.5, [1.0, math.nan], [9.0]) is False
+    out = capsys.readouterr().out
+    assert "keeps 1 of 2 clean steps" in out and "No threshold can meet" in out
+    assert ex.check_threshold_choice(1.5, [1.0, math.nan], [9.0], keep_fraction=0.5)
+
+
+@pytest.mark.parametrize("fraction", [1.5, -0.1, math.nan, "0.9", True])
+def test_threshold_choice_rejects_a_bad_fraction(fraction, capsys):
+    assert ex.check_threshold_choice(2.0, CLEAN, OUTLIERS, keep_fraction=fraction) is False
+    assert "keep_fraction must be a number from 0 to 1" in capsys.readouterr().out
+    assert ex.check_threshold_choice(2.0, CLEAN, OUTLIERS, catch_fraction=fraction) is False
+    assert "catch_fraction must be a number from 0 to 1" in capsys.readouterr().out
+
+
+def test_threshold_choice_catch_fraction(capsys):
+    # 5.5 keeps the outlier 5.0: passes when three of the four must be caught
+    assert ex.check_threshold_choice(5.5, CLEAN, OUTLIERS, catch_fraction=0.75)
+    assert "ignores 3 of 4 outlier steps (at least 3, 75%" in capsys.readouterr().out
+    assert ex.check_threshold_choice(50.0, CLEAN, OUTLIERS, catch_fraction=0.75) is False
+    assert "Too high" in capsys.readouterr().out
 
 
 def test_every_check_has_a_docstring_saying_what_is_checked():

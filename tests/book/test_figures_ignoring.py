@@ -196,3 +196,18 @@ def test_stream_figure_colours_follow_the_decisions(stream):
     keep = tuple(np.round(mcolors.to_rgb(KEEP), 3))
     ignore = tuple(np.round(mcolors.to_rgb(IGNORE), 3))
     assert colours == [keep if k else ignore for k in d.kept]
+
+
+def test_corrupted_batches_table_lists_every_corrupted_step(stream):
+    table = ignoring.corrupted_batches_table(stream, 1.5).splitlines()
+    corrupted = [t for t, k in enumerate(stream.kinds) if k != "clean"]
+    assert len(table) == 1 + len(corrupted)
+    d = ignoring.value_norm_decisions(stream, 1.5)
+    for line, t in zip(table[1:], corrupted, strict=True):
+        assert line.split()[0] == str(t)
+        assert ignoring.KINDS[stream.kinds[t]] in line
+        if math.isfinite(d.largest_ratio[t]):
+            # what the chapter says: the value ratio is above the norm ratio on every
+            # corrupted batch of this stream, label errors included
+            assert d.largest_ratio[t] > d.norm_ratio[t]
+            assert f"{d.largest_ratio[t]:.2f}" in line and f"{d.norm_ratio[t]:.2f}" in line

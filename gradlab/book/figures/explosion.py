@@ -242,20 +242,22 @@ def rnn_state_gradients(
     hidden: int = 32,
     inputs: int = 4,
     seed: int = 0,
+    input_scale: float = 1.0,
 ) -> RNNGradients:
     r"""Unroll :math:`h_t = \tanh(W_{hh} h_{t-1} + W_{xh} x_t)` and backpropagate.
 
     :math:`W_{hh}` has N(0, recurrent_scale^2 / hidden) entries, the input weights
-    N(0, 1 / inputs); the loss is the mean square of :math:`h_T`. The *same* matrix
-    appears in every step's Jacobian, so the signal reaching :math:`h_0` is bounded
-    by :math:`\|W_{hh}\|_2^{T}` times the one at :math:`h_T`. Computed in float64.
+    N(0, 1 / inputs), the inputs :math:`x_t` N(0, input_scale^2); the loss is the
+    mean square of :math:`h_T`. The *same* matrix appears in every step's Jacobian,
+    so the signal reaching :math:`h_0` is bounded by :math:`\|W_{hh}\|_2^{T}` times
+    the one at :math:`h_T`. Computed in float64.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     g = torch.Generator().manual_seed(seed)
     w_hh = torch.randn(hidden, hidden, generator=g).double() * recurrent_scale / math.sqrt(hidden)
     w_xh = torch.randn(hidden, inputs, generator=g).double() / math.sqrt(inputs)
-    xs = torch.randn(steps, inputs, generator=g).double()
+    xs = torch.randn(steps, inputs, generator=g).double() * input_scale
     h = torch.zeros(hidden, dtype=torch.float64, requires_grad=True)
     states = [h]
     for t in range(steps):
@@ -293,7 +295,7 @@ def chain_figure(depth: int = 20, weight_scale: float = 1.5, width: int = 32) ->
         "o-",
         color=KEEP,
         ms=3,
-        label=r"$\|\partial L/\partial h_l\|$ measured",
+        label=r"$\|\partial \mathcal{L}/\partial h_l\|$ measured",
     )
     ax.plot(
         layers[1:],
@@ -301,7 +303,7 @@ def chain_figure(depth: int = 20, weight_scale: float = 1.5, width: int = 32) ->
         "s",
         color=IGNORE,
         ms=3,
-        label=r"$\|\partial L/\partial W_l\|_F$",
+        label=r"$\|\partial \mathcal{L}/\partial W_l\|_F$",
     )
     rate = data.predicted_rate
     if math.isfinite(rate) and rate > 0:
@@ -582,20 +584,25 @@ def step_profile_figure(max_length: float = 0.4, points: int = 41, lr: float = 0
     data = step_profile(lengths)
     fig = new_figure(6.4, 3.4)
     ax = fig.add_subplot()
-    ax.plot(lengths, data.change, color=KEEP, lw=2, label=r"exact $f(\theta - s u) - f(\theta)$")
-    ax.plot(lengths, data.linear, color=NONE, ls="--", label=r"first order $-s\|g\|$")
+    ax.plot(lengths, data.change, color=KEEP, lw=2, label=r"exact $f(\theta - d u) - f(\theta)$")
+    ax.plot(lengths, data.linear, color=NONE, ls="--", label=r"first order $-d\|g\|$")
     ax.plot(
-        lengths, data.quadratic, color=CLIP, ls=":", lw=2, label=r"second order, $c = u^\top H u$"
+        lengths,
+        data.quadratic,
+        color=CLIP,
+        ls=":",
+        lw=2,
+        label=r"second order, $\kappa = u^\top H u$",
     )
     ax.axhline(0, color=THRESHOLD, lw=0.8)
     if math.isfinite(data.best_length):
-        ax.axvline(2 * data.best_length, color=IGNORE, lw=1, ls="-.", label=r"$s = 2\|g\|/c$")
+        ax.axvline(2 * data.best_length, color=IGNORE, lw=1, ls="-.", label=r"$d = 2\|g\|/\kappa$")
     sgd = lr * data.grad_norm
     ax.axvline(sgd, color=KEEP, lw=1, ls="-.", label=rf"the SGD step $\eta\|g\|$, $\eta$ = {lr:g}")
     finite = data.change[np.isfinite(data.change)]
     low = min(float(finite.min()) if finite.size else 0.0, -1e-3)
     ax.set_ylim(3 * low, 6 * abs(low))
-    ax.set_xlabel(r"step length $s = \eta\|g\|$")
+    ax.set_xlabel(r"step length $d = \eta\|g\|$")
     ax.set_ylabel("change of the clean loss")
     ax.legend(loc="upper left", fontsize=8)
     return fig

@@ -322,6 +322,26 @@ def value_norm_decisions(stream: GradientStream, margin: float) -> ValueNormDeci
     )
 
 
+def corrupted_batches_table(stream: GradientStream, margin: float) -> str:
+    """The corrupted steps of ``stream``, one line each: what went wrong, the two
+    statistics as multiples of their clean maxima, and whether each rule (both at
+    ``margin``, :func:`value_norm_decisions`) ignores the step."""
+    d = value_norm_decisions(stream, margin)
+    verdict = {True: "ignored", False: "kept"}
+    row = "{:>5}  {:<28}{:>10}{:>12}   {:<12}{}"
+    header = ("batch", "what went wrong", "max/clean", "norm/clean", "value rule", "norm rule")
+    lines = [row.format(*header)]
+    for t, kind in enumerate(stream.kinds):
+        if kind == "clean":
+            continue
+        ratios = (f"{d.largest_ratio[t]:.2f}", f"{d.norm_ratio[t]:.2f}")
+        lines.append(
+            row.format(t, KINDS[kind], *ratios, verdict[d.by_value[t]], verdict[d.by_norm[t]])
+        )
+    lines = [line.rstrip() for line in lines]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------- drawing
 
 
