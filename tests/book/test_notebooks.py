@@ -49,3 +49,13 @@ def test_no_memory_addresses_in_outputs(path):
         for out in cell.get("outputs", []):
             text = out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
             assert not re.search(r" at 0x[0-9a-f]{6,}", text), text[:200]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_control_characters_in_sources(path):
+    # A "\v" or "\b" written in a non-raw Python string lands here as a control
+    # character: MathJax fails on it and XeLaTeX stops ("invalid character").
+    nb = nbformat.read(path, as_version=4)
+    for index, cell in enumerate(nb.cells):
+        bad = sorted({hex(ord(ch)) for ch in cell.source if ord(ch) < 32 and ch not in "\n\t"})
+        assert not bad, f"cell {index} holds control characters {bad}"
