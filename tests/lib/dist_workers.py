@@ -114,7 +114,8 @@ def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        # bytes(tolist()), not .numpy(): the library suite runs without numpy.
+        h.update(bytes(t.detach().reshape(-1).contiguous().view(torch.uint8).tolist()))
     return h.hexdigest()
 
 
