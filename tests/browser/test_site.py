@@ -852,8 +852,13 @@ SEARCHES = {
         "book/training/skip_step",
         "book/appendix/corrections",
     },
-    # torch.amp.GradScaler is only discussed in chapter 8 ("How GradScaler skips")
-    "GradScaler": {"book/training/skip_step"},
+    # torch.amp.GradScaler: the skip chapter ("How GradScaler skips"), the mistake of
+    # clipping before unscale_ in the corrections, and the closing chapter's table
+    "GradScaler": {
+        "book/training/skip_step",
+        "book/appendix/corrections",
+        "book/training/which_control",
+    },
     # skipping a step: chapter 8, and the training comparison of chapter 7
     "skip": {"book/training/skip_step", "book/training/clip_vs_ignore"},
 }
