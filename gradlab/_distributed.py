@@ -29,8 +29,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "all_reduce_decision",
     "all_reduce_keep",
     "all_reduce_max",
+    "all_reduce_mean",
     "all_reduce_norm",
     "is_dtensor",
     "local_tensors",
@@ -158,3 +160,32 @@ def all_reduce_keep(keep: Tensor, process_group=None) -> Tensor:
     rejected = torch.logical_not(keep).to(torch.int32).reshape(1)
     dist.all_reduce(rejected, op=dist.ReduceOp.MAX, group=process_group)
     return rejected[0] == 0
+
+
+def all_reduce_decision(code: Tensor, process_group=None) -> Tensor:
+    """The largest of the ranks' 0-dim integer decision codes, on every rank.
+
+    With a guard's codes (0 kept, 1 clipped, 2 skipped) the step is skipped if any
+    rank skips it and clipped if any clips it. One all-reduce MAX of an integer (no
+    NaN to lose), no host read; ``code`` itself is not modified.
+    """
+    import torch.distributed as dist
+
+    agreed = code.reshape(1).clone()
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
+    return agreed[0]
+
+
+def all_reduce_mean(value: Tensor, process_group=None) -> Tensor:
+    """The mean over the ranks of a 0-dim ``value`` (summed in float64), on every rank.
+
+    One all-reduce SUM, which propagates a NaN or inf from any rank (a MAX may drop
+    a NaN); ``value`` itself is not modified. Used for the loss: the mean of the
+    ranks' losses is the loss of the whole (global) batch when the ranks' batches
+    have the same size.
+    """
+    import torch.distributed as dist
+
+    total = value.detach().to(torch.float64).reshape(1).clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=process_group)
+    return (total[0] / dist.get_world_size(process_group)).to(value.dtype)

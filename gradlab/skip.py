@@ -49,9 +49,16 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 from torch.optim import optimizer as _optim_module
 
+from gradlab import _distributed
 from gradlab._transaction import Transaction
 from gradlab.adaptive import ThresholdPolicy
-from gradlab.clip import EPS, _check_norm_type, _check_threshold, get_total_norm
+from gradlab.clip import (
+    EPS,
+    _check_norm_type,
+    _check_process_group,
+    _check_threshold,
+    get_total_norm,
+)
 
 __all__ = ["DECISIONS", "SkipLimitError", "StepGuard", "StepRecord", "ThresholdPolicy"]
 
@@ -61,6 +68,7 @@ _KEPT, _CLIPPED, _SKIPPED = 0, 1, 2
 
 _MODES = ("none", "clip", "skip")
 _BY = ("norm", "value")
+_GRAD_LAYOUTS = ("replicated", "sharded")
 _STATE_KEYS = frozenset({"num_steps", "counts", "consecutive_skips", "threshold", "loss_threshold"})
 
 
@@ -247,6 +255,8 @@ class StepGuard:
             row (``None``: never).
         history: keep the last ``history`` records in :attr:`history` (default none).
         on_record: called with each :class:`StepRecord` (pending under ``sync=False``).
+        process_group: the ranks that decide together (``None``: this process alone).
+        grads: ``"replicated"`` or ``"sharded"``, required with ``process_group``.
 
     Raises:
         TypeError: ``optimizer`` is not a :class:`torch.optim.Optimizer`.
@@ -273,6 +283,8 @@ class StepGuard:
         max_consecutive_skips: int | None = 100,
         history: int | None = None,
         on_record: Callable[[StepRecord], None] | None = None,
+        process_group: Any = None,
+        grads: str | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -318,6 +330,7 @@ class StepGuard:
             raise ValueError(f"on_record must be callable, got {type(on_record).__name__}")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        _check_grad_layout(process_group, grads)
         self._optimizer = optimizer
         self.mode = mode
         self.by = by
@@ -341,6 +354,8 @@ class StepGuard:
         self.max_consecutive_skips = max_consecutive_skips
         self._history: deque[StepRecord] | None = None if history is None else deque(maxlen=history)
         self._on_record = on_record
+        self._group = process_group
+        self._norm_group = process_group if grads == "sharded" else None
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._transaction = None if self._fused else Transaction(optimizer)
         self._flag: Tensor | None = None
@@ -470,6 +485,8 @@ class StepGuard:
             loss_t = None
             if loss is not None and self._loss_threshold is not None:
                 loss_t = torch.as_tensor(loss).detach()
+                if self._group is not None:
+                    loss_t = _distributed.all_reduce_mean(loss_t, self._group)
             stat, code = self._decide([p.grad for p in params], loss_t, found_inf)
             if self.mode == "none":
                 output = self._take(closure)
@@ -521,7 +538,11 @@ class StepGuard:
         Pure tensor code, no host read (compiles with ``fullgraph=True``); in ``"clip"``
         mode it clips the gradients, unconditionally.
         """
-        stat = get_total_norm(grads, self.norm_type if self.by == "norm" else math.inf)
+        stat = get_total_norm(
+            grads,
+            self.norm_type if self.by == "norm" else math.inf,
+            process_group=self._norm_group,
+        )
         if self.mode == "none":
             return stat, torch.zeros((), dtype=torch.int64, device=stat.device)
         threshold = self._threshold if self._policy is None else self._policy.threshold(stat)
@@ -543,14 +564,21 @@ class StepGuard:
         if found_inf is not None:
             extra.append(found_inf > 0)
         if self.mode == "skip" and not extra:
-            return stat, torch.where(within, _KEPT, _SKIPPED)
+            return stat, self._agreed(torch.where(within, _KEPT, _SKIPPED))
         skip = extra[0]
         for reason in extra[1:]:
             skip = skip | reason
         if self.mode == "skip":
             skip = skip | ~within
-            return stat, torch.where(skip, _SKIPPED, _KEPT)
-        return stat, torch.where(skip, _SKIPPED, torch.where(within, _KEPT, _CLIPPED))
+            return stat, self._agreed(torch.where(skip, _SKIPPED, _KEPT))
+        code = torch.where(skip, _SKIPPED, torch.where(within, _KEPT, _CLIPPED))
+        return stat, self._agreed(code)
+
+    def _agreed(self, code: Tensor) -> Tensor:
+        """``code``, or with a process group the largest code of its ranks."""
+        if self._group is None:
+            return code
+        return _distributed.all_reduce_decision(code, self._group)
 
     def _within(self, stat: Tensor, threshold: Any) -> Tensor:
         """Whether ``stat`` is within ``threshold``; False for NaN, as in grad_ignore_norm_."""
@@ -714,6 +742,20 @@ class StepGuard:
 
 
 # ------------------------------------------------------------------------- helpers
+
+
+def _check_grad_layout(process_group: Any, grads: str | None) -> None:
+    _check_process_group(process_group)
+    if process_group is None:
+        if grads is not None:
+            raise ValueError(f"grads={grads!r} is for a guard with a process_group; got none")
+        return
+    if grads not in _GRAD_LAYOUTS:
+        raise ValueError(
+            'with process_group, say how the gradients are laid out: grads="replicated" '
+            '(DDP: every rank holds the same averaged gradient) or grads="sharded" (each '
+            f"rank holds a part, as FSDP2 or tensors split by hand); got grads={grads!r}"
+        )
 
 
 def _threshold_arg(

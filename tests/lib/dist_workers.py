@@ -456,6 +456,115 @@ def scenario_steps(ctx: Ctx) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- StepGuard(process_group)
+
+GUARD_STEPS = 12
+GUARD_SPIKE_STEP, GUARD_NAN_STEP = 8, 10
+#: How each StepGuard run steps: (optimizer factory, sync).
+GUARD_OPTIMIZERS = {
+    "fused": (lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True), False),
+    "snapshot": (lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False), False),
+    "sync": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), True),
+}
+
+
+def _policy_digest(state: dict) -> str:
+    tensors = []
+    for key in ("threshold", "loss_threshold"):
+        tensors.extend(v for _, v in sorted(state[key]["state"].items()))
+    assert tensors, "no policy state to compare"
+    return digest(tensors)
+
+
+def _guarded_ddp(group, gr, optimizer: str, reduced: bool) -> dict:
+    """DDP under a StepGuard with a ZClip norm policy and a SigmaSkip loss rule.
+
+    Rank 1's batch spikes at GUARD_SPIKE_STEP (only its own loss trips SigmaSkip) and
+    holds a NaN at GUARD_NAN_STEP.
+    """
+    make_opt, sync = GUARD_OPTIMIZERS[optimizer]
+    ddp = nn.parallel.DistributedDataParallel(make_mlp(0), process_group=group)
+    guard = gradlab.StepGuard(
+        make_opt(ddp.parameters()),
+        mode="clip",
+        threshold=gradlab.ZClip(warmup=3),
+        loss_threshold=gradlab.SigmaSkip(k=3.0, window=16, min_count=4),
+        sync=sync,
+        process_group=group if reduced else None,
+        grads="replicated" if reduced else None,
+    )
+    decisions, reads = [], []
+    for step in range(GUARD_STEPS):
+        spike = 30.0 if (step == GUARD_SPIKE_STEP and gr == 1) else 1.0
+        x, y = batch(gr, step, spike)
+        if step == GUARD_NAN_STEP and gr == 1:
+            x = x.clone()
+            x[0, 0] = math.nan
+        guard.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        with HostReadCounter() as counter:
+            record = guard.step(loss=loss.detach())
+        reads.append(counter.count)
+        decisions.append(record.decision)
+    params = [p.detach() for p in ddp.module.parameters()]
+    return {
+        "params": digest(params),
+        "state": digest(_state(guard.optimizer)),
+        "policies": _policy_digest(guard.state_dict()),
+        "finite": all(bool(torch.isfinite(p).all()) for p in params),
+        "decisions": decisions,
+        "reads": reads,
+    }
+
+
+def guard_sharded_reference(size: int) -> dict:
+    """One process, the whole w, torch Adam: a step is taken when the float64 norm of
+    w's whole gradient is within MAX_NORM by the guard's rule, else not at all."""
+    w = nn.Parameter(torch.linspace(-1, 1, 12))
+    opt = torch.optim.Adam([w], lr=0.1, foreach=False)
+    taken = []
+    for step in range(STEPS):
+        gw, _, _ = step_grads(step, size)
+        norm = float(torch.linalg.vector_norm(gw.double()))
+        keep = math.isfinite(norm) and MAX_NORM / (norm + 1e-6) >= 1.0
+        if keep:
+            w.grad = gw.clone()
+            opt.step()
+        taken.append(keep)
+    return {"w": w.detach().clone(), "state": _state(opt), "taken": taken}
+
+
+def scenario_guard(ctx: Ctx) -> dict:
+    """StepGuard(process_group=): DDP with policies, and a hand-sharded parameter."""
+    out = {}
+    for size in SIZES:
+        group, gr = ctx.group(size), ctx.grank(size)
+        for optimizer in GUARD_OPTIMIZERS:
+            for reduced in (True, False):
+                out["ddp", size, optimizer, reduced] = _guarded_ddp(group, gr, optimizer, reduced)
+        w = nn.Parameter(torch.tensor_split(torch.linspace(-1, 1, 12), size)[gr].clone())
+        guard = gradlab.StepGuard(
+            torch.optim.Adam([w], lr=0.1, foreach=False),
+            mode="skip",
+            threshold=MAX_NORM,
+            sync=False,
+            process_group=group,
+            grads="sharded",
+        )
+        decisions = []
+        for step in range(STEPS):
+            gw, _, _ = step_grads(step, size)
+            w.grad = torch.tensor_split(gw, size)[gr].clone()
+            decisions.append(guard.step().decision)
+        out["sharded", size] = {
+            "w": w.detach().clone(),
+            "state": _state(guard.optimizer),
+            "decisions": decisions,
+        }
+    return out
+
+
 SCENARIOS = {
     "norms": scenario_norms,
     "nonfinite": scenario_nonfinite,
@@ -463,6 +572,7 @@ SCENARIOS = {
     "fsdp": scenario_fsdp,
     "hsdp": scenario_hsdp,
     "steps": scenario_steps,
+    "guard": scenario_guard,
 }
 
 

@@ -385,3 +385,63 @@ def test_steps_with_a_spike_and_a_nan_on_one_rank(ranks, size):
         # the control: each rank deciding alone lets b drift apart
         local = [res[r][("local", size)] for r in members]
         assert len({run["b"] for run in local}) > 1
+
+
+# ------------------------------------------------------------ StepGuard(process_group=)
+
+
+@pytest.mark.parametrize("optimizer", list(dw.GUARD_OPTIMIZERS))
+@pytest.mark.parametrize("size", SIZES)
+def test_guard_with_a_process_group_keeps_replicas_and_policies_identical(ranks, size, optimizer):
+    res = _scenario(ranks, "guard")
+    for members in _members(size):
+        runs = [res[r][("ddp", size, optimizer, True)] for r in members]
+        for key in ("params", "state", "policies", "decisions"):
+            assert len({str(run[key]) for run in runs}) == 1, key
+        assert all(run["finite"] for run in runs)
+        decisions = runs[0]["decisions"]
+        # rank 1's spiking loss, then its NaN, make every rank skip
+        assert decisions[dw.GUARD_SPIKE_STEP] == "skipped"
+        assert decisions[dw.GUARD_NAN_STEP] == "skipped"
+        assert decisions.count("skipped") == 2
+        # the control: each rank's own loss rule; rank 1 alone skips the spike
+        local = [res[r][("ddp", size, optimizer, False)] for r in members]
+        spiked = [run["decisions"][dw.GUARD_SPIKE_STEP] for run in local]
+        assert spiked[1] == "skipped" and spiked.count("skipped") == 1
+        assert len({run["params"] for run in local}) > 1, "the control did not diverge"
+        assert len({run["policies"] for run in local}) > 1
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_guard_with_a_process_group_makes_no_host_read_when_fused(ranks, size):
+    res = _scenario(ranks, "guard")
+    for members in _members(size):
+        for r in members:
+            reads = res[r][("ddp", size, "fused", True)]["reads"]
+            assert reads[1:] == [0] * (dw.GUARD_STEPS - 1), reads  # the first creates state
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_guard_over_sharded_grads_decides_on_the_global_norm(ranks, size):
+    res = _scenario(ranks, "guard")
+    reference = dw.guard_sharded_reference(size)
+    expected = ["kept" if keep else "skipped" for keep in reference["taken"]]
+    assert expected.count("skipped") == 2  # the spike and the NaN, on one rank's shard
+    for members in _members(size):
+        runs = [res[r][("sharded", size)] for r in members]
+        assert all(run["decisions"] == expected for run in runs)
+        assert _same(torch.cat([run["w"] for run in runs]), reference["w"])
+        for i in range(3):  # exp_avg, exp_avg_sq, step
+            if i == 2:
+                assert all(_same(run["state"][2], reference["state"][2]) for run in runs)
+                continue
+            state = torch.cat([run["state"][i] for run in runs])
+            assert _same(state, reference["state"][i])
+
+
+def test_guard_process_group_arguments_are_checked():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match="grads='sharded' is for a guard with a process_group"):
+        gradlab.StepGuard(opt, grads="sharded")
+    with pytest.raises((RuntimeError, ValueError), match="process_group"):
+        gradlab.StepGuard(opt, process_group=object(), grads="sharded")
