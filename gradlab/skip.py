@@ -363,6 +363,8 @@ class StepGuard:
             device = optimizer.param_groups[0]["params"][0].device
             self._flag = torch.zeros((), dtype=torch.float32, device=device)
             optimizer.found_inf = self._flag
+        first_device = optimizer.param_groups[0]["params"][0].device
+        self._device_codes = {first_device: _Codes(first_device)}
         self._steps = 0
         # Counts of kept, clipped, skipped steps and the current run of skips: Python ints
         # with sync=True, device tensors with sync=False (read only when asked).
@@ -564,15 +566,24 @@ class StepGuard:
         if found_inf is not None:
             extra.append(found_inf > 0)
         if self.mode == "skip" and not extra:
-            return stat, self._agreed(torch.where(within, _KEPT, _SKIPPED))
+            c = self._codes(stat.device)
+            return stat, self._agreed(torch.where(within, c.kept, c.skipped))
         skip = extra[0]
         for reason in extra[1:]:
             skip = skip | reason
         if self.mode == "skip":
             skip = skip | ~within
-            return stat, self._agreed(torch.where(skip, _SKIPPED, _KEPT))
-        code = torch.where(skip, _SKIPPED, torch.where(within, _KEPT, _CLIPPED))
+            c = self._codes(stat.device)
+            return stat, self._agreed(torch.where(skip, c.skipped, c.kept))
+        c = self._codes(stat.device)
+        code = torch.where(skip, c.skipped, torch.where(within, c.kept, c.clipped))
         return stat, self._agreed(code)
+
+    def _codes(self, device: torch.device) -> _Codes:
+        codes = self._device_codes.get(device)
+        if codes is None:
+            codes = self._device_codes[device] = _Codes(device)
+        return codes
 
     def _agreed(self, code: Tensor) -> Tensor:
         """``code``, or with a process group the largest code of its ranks."""
@@ -583,7 +594,9 @@ class StepGuard:
     def _within(self, stat: Tensor, threshold: Any) -> Tensor:
         """Whether ``stat`` is within ``threshold``; False for NaN, as in grad_ignore_norm_."""
         if self.by == "norm":
-            return _as_dtype(threshold, stat.dtype) / (stat + EPS) >= 1.0
+            dtype = stat.dtype
+            ratio = torch.div(_as_dtype(threshold, dtype), torch.add(stat, _as_dtype(_EPS, dtype)))
+            return torch.ge(ratio, _as_dtype(_ONE, dtype))
         return stat.double() < _as_dtype(threshold, torch.float64)
 
     def _take(self, closure: Callable[[], Any] | None) -> Any:
@@ -598,7 +611,7 @@ class StepGuard:
         if _has_step_hooks(opt):  # host code: it can only be skipped by not stepping
             return None if int(code) == _SKIPPED else _call_step(opt, closure)
         if self._transaction is not None:
-            keep = code != _SKIPPED
+            keep = torch.ne(code, self._codes(code.device).skipped)
             output, _ = self._transaction.run(params, keep, lambda: _call_step(opt, closure))
             return output
         # The fused kernel skips when its found_inf flag (the attribute GradScaler sets) is
@@ -607,7 +620,7 @@ class StepGuard:
         # step so that a later bare optimizer.step() is not skipped.
         if getattr(opt, "found_inf", None) is not self._flag:
             opt.found_inf = self._flag
-        torch.ge(code, _SKIPPED, out=self._flag)
+        torch.eq(code, self._codes(code.device).skipped, out=self._flag)
         fresh = [p for p in params if p not in opt.state]
         try:
             output = _call_step(opt, closure)
@@ -625,7 +638,7 @@ class StepGuard:
     ) -> None:
         """Update the counters and the policies after a completed step."""
         if self._policy is not None or self._loss_policy is not None:
-            accepted = code != _SKIPPED
+            accepted = torch.ne(code, self._codes(code.device).skipped)
             if self._policy is not None:
                 self._policy.update(stat, accepted)
             if self._loss_policy is not None and loss is not None:
@@ -643,7 +656,8 @@ class StepGuard:
             )
             self._one = torch.ones(1, dtype=torch.int64, device=code.device)
         self._counts.index_add_(0, code.view(1), self._one)
-        skipped = code >> 1  # 1 for _SKIPPED, else 0: an int64, so one fused update below
+        # 1 for _SKIPPED, else 0: an int64, so one fused update below
+        skipped = torch.bitwise_right_shift(code, self._codes(code.device).clipped)
         torch.addcmul(skipped, self._consecutive, skipped, out=self._consecutive)
 
     def _read_counts(self) -> list[int]:
@@ -786,6 +800,24 @@ class _Fixed:
         self.value = value
         self.f32.fill_(value)
         self.f64.fill_(value)
+
+
+#: The constants of the norm rule, as tensors for the reason _Codes gives.
+_EPS, _ONE = _Fixed(EPS), _Fixed(1.0)
+
+
+class _Codes:
+    """The decision codes as 0-dim int64 tensors on one device, made once.
+
+    A Python number in a tensor op becomes a new wrapped-scalar tensor on every call,
+    which costs several microseconds on the CPU: a step makes a dozen such ops.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.kept, self.clipped, self.skipped = (
+            torch.tensor(code, dtype=torch.int64, device=device)
+            for code in (_KEPT, _CLIPPED, _SKIPPED)
+        )
 
 
 def _as_dtype(threshold: _Fixed | Tensor, dtype: torch.dtype) -> Tensor:
