@@ -621,12 +621,13 @@ class StepGuard:
         if getattr(opt, "found_inf", None) is not self._flag:
             opt.found_inf = self._flag
         torch.eq(code, self._codes(code.device).skipped, out=self._flag)
-        fresh = [p for p in params if p not in opt.state]
+        # opt.state is a defaultdict: an entry read before the first step is empty.
+        fresh = [p for p in params if not opt.state.get(p)]
         try:
             output = _call_step(opt, closure)
         finally:
             self._flag.zero_()
-        created = [p for p in fresh if p in opt.state]
+        created = [p for p in fresh if opt.state.get(p)]
         # A new state entry (the first step) cannot be undone on the device: read once.
         if created and int(code) == _SKIPPED:
             for p in created:

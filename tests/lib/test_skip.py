@@ -216,6 +216,20 @@ def test_skipped_first_step_leaves_no_state(sync):
         assert torch.equal(p, b)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_skipped_first_step_leaves_no_state_when_it_was_looked_up(fused):
+    """``opt.state[p]`` read before any step makes an empty entry (a defaultdict)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused or None)
+    guard = StepGuard(opt, threshold=1e-3, sync=False)
+    assert all(opt.state[p] == {} for p in model.parameters())
+    _backward(model, _batches(1)[0])
+    with HostReadCounter() as reads:
+        assert guard.step().skipped
+    assert reads.count >= 1  # the one read of a step that creates state
+    assert not any(opt.state.get(p) for p in model.parameters())
+
+
 def test_frozen_parameters_and_several_groups():
     torch.manual_seed(0)
     a, b, frozen = nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 3)
