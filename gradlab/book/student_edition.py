@@ -19,8 +19,8 @@ It writes
   - the gated ``{solution-start}`` / ``{solution-end}`` markdown cells, any markdown in
     between, and every ``{solution}`` directive block removed;
   - the outputs of the stubbed cells and of the check cells (cells that call one of
-    the ``gradlab.book.exercises`` checks, and the first code cell after a gated solution)
-    cleared;
+    the ``check_*`` functions of the ``gradlab.book.exercises*`` modules, and the first
+    code cell after a gated solution) cleared;
     every other cell keeps its outputs (figures included);
 
 * ``OUTDIR/html/``: the HTML book built by Jupyter Book from a temporary copy of the
@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -53,7 +55,7 @@ from pathlib import Path
 import nbformat
 import yaml
 
-from gradlab.book import exercises
+import gradlab.book
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,8 +83,20 @@ _IGNORE = shutil.ignore_patterns(
 )
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|:{3,})[ \t]*(?P<info>[^\n]*?)[ \t]*$")
-#: The self-checks of gradlab.book.exercises; a code cell that calls one is a check cell.
-CHECKS = tuple(exercises.__all__)
+
+
+def exercise_checks() -> tuple[str, ...]:
+    """The ``check_*`` functions that ``gradlab.book.exercises*`` modules export."""
+    names = []
+    for info in pkgutil.iter_modules(gradlab.book.__path__):
+        if info.name.startswith("exercises"):
+            module = importlib.import_module(f"gradlab.book.{info.name}")
+            names += [n for n in module.__all__ if n.startswith("check_")]
+    return tuple(sorted(names))
+
+
+#: The self-checks of the chapters; a code cell that calls one is a check cell.
+CHECKS = exercise_checks()
 _CHECK_CALL = re.compile(r"\b(?:" + "|".join(CHECKS) + r")\s*\(")
 
 
