@@ -954,6 +954,29 @@ def _guard_model(seed: int, frozen_bias: bool) -> nn.Module:
     return model
 
 
+def _guard_single(seed: int) -> nn.Module:
+    """A model with one parameter tensor, passed to the answer as a bare tensor."""
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2, bias=False)
+
+
+def _as_bool(result: object) -> object:
+    """A Python bool, a NumPy bool or a one-element bool tensor, as a Python bool.
+
+    Anything else (a number such as 1 or 0, a float or integer tensor) is returned
+    unchanged, and the check then rejects it: the contract asks for a bool.
+    """
+    if isinstance(result, bool):
+        return result
+    if isinstance(result, Tensor):
+        if result.numel() == 1 and result.dtype == torch.bool:
+            return bool(result.detach().cpu())
+        return result
+    if type(result).__module__ == "numpy" and type(result).__name__ == "bool":
+        return bool(result)  # numpy.bool (numpy.bool_), e.g. from np.isfinite
+    return result
+
+
 _OPTIMIZERS: list[tuple[str, Callable]] = [
     ("SGD(lr=0.1)", lambda ps: torch.optim.SGD(ps, lr=0.1)),
     (
@@ -1002,35 +1025,49 @@ def check_guarded_step(fn: Callable) -> bool:
     Checked: a sequence of seven steps (normal, normal, a norm 100 times larger,
     a NaN gradient, normal, an infinite gradient, normal) with plain SGD, SGD with
     momentum and weight decay, Adam and AdamW, some with a frozen parameter and with
-    ``model.parameters()`` passed as a generator; and, with SGD with momentum, Adam
-    and AdamW, a sequence whose *first* step is bad (no state may be created). After
-    every step the return value, the parameters and the optimizer state must equal an
-    independent reference run bit for bit (taken steps call ``optimizer.step()`` on
-    identical models).
+    ``model.parameters()`` passed as a generator; with SGD with momentum, Adam
+    and AdamW, a sequence whose *first* step is bad (no state may be created); and,
+    with Adam, a model whose only parameter is passed as a bare tensor, not in a list
+    (as ``torch.nn.utils.clip_grad_norm_`` accepts it). After every step the return
+    value, the parameters and the optimizer state must equal an independent
+    reference run bit for bit (taken steps call ``optimizer.step()`` on identical
+    models). The return value must be a bool: ``True``/``False``, a NumPy bool or a
+    one-element bool tensor such as ``torch.isfinite(norm)``; a number such as 1
+    or 0, or a float tensor, is rejected.
     """
     if not callable(fn):
         _say([f"Expected a function, got {_value_text(fn)}."])
         return False
     max_norm = 5.0
+    # (optimizer, how the parameters are passed, one frozen, the steps)
     runs = []
     for name, make in _OPTIMIZERS:
-        runs.append((name, make, False, False, _GUARD_STEPS))
-    runs.append((_OPTIMIZERS[2][0], _OPTIMIZERS[2][1], True, True, _GUARD_STEPS))
-    runs.append((_OPTIMIZERS[1][0], _OPTIMIZERS[1][1], True, True, _GUARD_STEPS))
+        runs.append((name, make, "list", False, _GUARD_STEPS))
+    runs.append((_OPTIMIZERS[2][0], _OPTIMIZERS[2][1], "generator", True, _GUARD_STEPS))
+    runs.append((_OPTIMIZERS[1][0], _OPTIMIZERS[1][1], "generator", True, _GUARD_STEPS))
     for name, make in _OPTIMIZERS[1:]:
-        runs.append((name, make, False, False, _GUARD_STEPS_BAD_FIRST))
+        runs.append((name, make, "list", False, _GUARD_STEPS_BAD_FIRST))
+    runs.append((_OPTIMIZERS[2][0], _OPTIMIZERS[2][1], "tensor", False, _GUARD_STEPS_BAD_FIRST))
     total_cases = sum(len(run[-1]) for run in runs)
     index = 0
-    for run_no, (opt_name, make, as_generator, frozen, steps) in enumerate(runs):
-        ref_model = _guard_model(run_no, frozen)
-        model = _guard_model(run_no, frozen)
+    for run_no, (opt_name, make, passed_as, frozen, steps) in enumerate(runs):
+        if passed_as == "tensor":
+            ref_model, model = _guard_single(run_no), _guard_single(run_no)
+        else:
+            ref_model, model = _guard_model(run_no, frozen), _guard_model(run_no, frozen)
         ref_params = [p for p in ref_model.parameters() if p.requires_grad]
         params = [p for p in model.parameters() if p.requires_grad]
         ref_opt = make(ref_params)
         opt = make(params)
+        passed = {
+            "list": "",
+            "generator": ", parameters passed as model.parameters() (a generator)",
+            "tensor": ", its only parameter passed as a bare tensor, not in a list",
+        }[passed_as]
+        kind = "a one-layer model" if passed_as == "tensor" else "a small MLP"
         setup = (
-            f"a small MLP, optimizer {opt_name}, max_norm={_num(max_norm)}"
-            + (", parameters passed as model.parameters() (a generator)" if as_generator else "")
+            f"{kind}, optimizer {opt_name}, max_norm={_num(max_norm)}"
+            + passed
             + (", one parameter frozen (its .grad is None)" if frozen else "")
         )
         for step_no, (scale, poison) in enumerate(steps, start=1):
@@ -1057,7 +1094,11 @@ def check_guarded_step(fn: Callable) -> bool:
                 f"Case {index} of {total_cases} fails: {setup}.",
                 f"  step {step_no} of {len(steps)}: {what}, so the step {verdict}.",
             ]
-            arg = model.parameters() if as_generator else params
+            arg = {
+                "list": params,
+                "generator": model.parameters(),
+                "tensor": params[0] if params else params,
+            }[passed_as]
             call_text = "fn(parameters, optimizer, max_norm)"
             try:
                 result = _call(fn, call_text, arg, opt, max_norm)
@@ -1067,14 +1108,20 @@ def check_guarded_step(fn: Callable) -> bool:
                 else:
                     _say([*header, *_indented(raised.lines)])
                 return False
-            if isinstance(result, Tensor) and result.numel() == 1 and result.dtype == torch.bool:
-                result = bool(result)
+            result = _as_bool(result)
             if not isinstance(result, bool):
+                hint = []
+                if isinstance(result, (numbers.Real, Tensor)):
+                    hint = [
+                        "  Hint: return a bool, True or False (or a bool tensor such as "
+                        "torch.isfinite(norm)), not a number."
+                    ]
                 _say(
                     [
                         *header,
                         f"  expected return value: {take}",
                         f"  your return value:     {_value_text(result)}",
+                        *hint,
                     ]
                 )
                 return False
@@ -1134,8 +1181,36 @@ def check_guarded_step(fn: Callable) -> bool:
 
 def _floats(values: object, name: str) -> list[float]:
     if isinstance(values, Tensor):
+        if values.is_complex():
+            raise TypeError(f"{name} is a complex tensor")
         return [float(v) for v in values.detach().to("cpu", torch.float64).reshape(-1)]
-    return [float(v) for v in values]  # type: ignore[union-attr]
+    out = []
+    for v in values:  # type: ignore[union-attr]
+        if isinstance(v, Tensor):  # a list of 0-dim norms, as get_total_norm returns
+            if v.numel() != 1 or v.is_complex():
+                raise TypeError(f"{name} holds {_value_text(v)}")
+            v = v.detach().to("cpu", torch.float64)
+        out.append(float(v))
+    return out
+
+
+def _threshold_number(threshold: object) -> object:
+    """A 0-dim (or one-element) real tensor or NumPy array as a Python float.
+
+    Anything else is returned unchanged: a bool tensor stays a tensor (and is rejected,
+    as a bare bool is), a number stays a number.
+    """
+    if isinstance(threshold, Tensor):
+        real = threshold.dtype.is_floating_point or (
+            not threshold.is_complex() and threshold.dtype != torch.bool
+        )
+        if threshold.numel() == 1 and real:
+            return float(threshold.detach().to("cpu", torch.float64))
+        return threshold
+    if type(threshold).__module__ == "numpy" and getattr(threshold, "ndim", None) == 0:
+        item = threshold.item()  # type: ignore[attr-defined]
+        return item if isinstance(item, numbers.Real) else threshold
+    return threshold
 
 
 def check_threshold_choice(
@@ -1154,8 +1229,11 @@ def check_threshold_choice(
     labels are the grader's: the exercise picks the threshold without them (from the
     norms of the first healthy steps, say) and this check scores it on the whole run.
     A step is kept exactly when ``grad_ignore_norm_`` would keep it:
-    ``threshold / (norm + 1e-6) >= 1`` (and the norm is not NaN). The threshold passes
-    when it is a non-negative real number that
+    ``threshold / (norm + 1e-6) >= 1`` (and the norm is not NaN). The norms may be
+    lists of numbers or of 0-dim tensors, or tensors of any shape. The threshold may
+    be a Python or NumPy number, or a 0-dim (or one-element) real tensor such as
+    ``torch.quantile(norms, 0.99)``; a bool, a bool or complex tensor, or a tensor of
+    several numbers is rejected. It passes when it is a non-negative real number that
 
     1. keeps at least ``keep_fraction`` (default 99%) of the clean steps, and
     2. ignores at least ``catch_fraction`` (default all) of the outlier steps.
@@ -1177,10 +1255,13 @@ def check_threshold_choice(
     except (TypeError, ValueError):
         _say(["clean_norms and outlier_norms must be sequences of numbers."])
         return False
-    if isinstance(threshold, Tensor) and threshold.numel() == 1:
-        threshold = float(threshold)
+    threshold = _threshold_number(threshold)
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
-        _say([f"The threshold must be a number, got {_value_text(threshold)}."])
+        if isinstance(threshold, Tensor) and threshold.numel() == 1:
+            got = f"a 0-dim {str(threshold.dtype).removeprefix('torch.')} tensor"
+        else:
+            got = _value_text(threshold)
+        _say([f"The threshold must be a real number, got {got}."])
         return False
     tau = float(threshold)
     if math.isnan(tau) or tau < 0:

@@ -829,6 +829,67 @@ def test_guarded_step_accepts_a_tensor_bool(capsys):
     assert_passes(ex.check_guarded_step, tensor_bool, capsys)
 
 
+def _step_iterates_a_bare_tensor(parameters, optimizer, max_norm):
+    # for p in parameters: on a bare tensor that walks its rows, whose .grad is None
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = ref_total_norm(grads, 2.0)
+    if bool(torch.isfinite(total)) and bool(max_norm / (total + 1e-6) >= 1.0):
+        optimizer.step()
+        return True
+    return False
+
+
+def _step_returns_an_int(parameters, optimizer, max_norm):
+    return int(ref_guarded_step(parameters, optimizer, max_norm))
+
+
+def _step_returns_a_0dim_float(parameters, optimizer, max_norm):
+    return torch.tensor(float(ref_guarded_step(parameters, optimizer, max_norm)))
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (
+            _step_iterates_a_bare_tensor,
+            ["bare tensor, not in a list", "must be skipped", "step 1 of 4"],
+        ),
+        (_step_returns_an_int, ["your return value:     the Python number 1", "not a number"]),
+        (_step_returns_a_0dim_float, ["your return value:     tensor(1)", "Hint: return a bool"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_guarded_step_rejects_bare_tensor_mistakes(fn, fragments, capsys):
+    assert_fails(ex.check_guarded_step, fn, capsys, *fragments)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda taken: torch.tensor(taken),  # 0-dim bool tensor
+        lambda taken: torch.tensor([taken]),  # one-element bool tensor
+        lambda taken: np.bool_(taken),  # e.g. from np.isfinite
+    ],
+    ids=["0-dim bool tensor", "one-element bool tensor", "numpy bool"],
+)
+def test_guarded_step_accepts_bool_like_returns(wrap, capsys):
+    def answer(parameters, optimizer, max_norm):
+        return wrap(ref_guarded_step(parameters, optimizer, max_norm))
+
+    assert_passes(ex.check_guarded_step, answer, capsys)
+
+
+def test_guarded_step_passes_a_bare_tensor(capsys):
+    seen = []
+
+    def recording(parameters, optimizer, max_norm):
+        seen.append(type(parameters))
+        return ref_guarded_step(parameters, optimizer, max_norm)
+
+    assert_passes(ex.check_guarded_step, recording, capsys)
+    assert torch.nn.Parameter in seen and list in seen
+
+
 def test_guarded_step_makes_the_first_step_bad(capsys):
     # a "warm-up" that always takes the first step passed when it was never bad
     def takes_the_first_step(parameters, optimizer, max_norm):
@@ -890,8 +951,14 @@ def test_threshold_choice_accepts_tensors_and_fraction(capsys):
         (math.inf, ["Too high", "5, 40."]),
         (math.nan, ["non-negative number"]),
         (-1.0, ["non-negative number"]),
-        ("2", ["must be a number"]),
-        (True, ["must be a number"]),
+        ("2", ["must be a real number"]),
+        (True, ["must be a real number"]),
+        (torch.tensor(True), ["must be a real number", "0-dim bool tensor"]),
+        (torch.tensor(2.5 + 0j), ["must be a real number", "0-dim complex64 tensor"]),
+        (torch.tensor([2.0, 3.0]), ["must be a real number", "shape (2,)"]),
+        (np.array(True), ["must be a real number"]),
+        (torch.tensor(math.nan), ["non-negative number"]),
+        (torch.tensor(-1.0), ["non-negative number"]),
     ],
 )
 def test_threshold_choice_rejects(threshold, fragments, capsys):
@@ -899,6 +966,64 @@ def test_threshold_choice_rejects(threshold, fragments, capsys):
     out = capsys.readouterr().out
     for fragment in fragments:
         assert fragment in out, out
+
+
+@pytest.mark.parametrize(
+    "threshold",
+    [
+        torch.tensor(2.5),  # torch.quantile(norms, q) returns a 0-dim tensor
+        torch.tensor([2.5]),
+        torch.tensor(3),  # integer dtype
+        torch.tensor(2.5, dtype=torch.float64, requires_grad=True),
+        np.float32(2.5),
+        np.float64(2.5),  # np.percentile returns one
+        np.array(2.5),
+        3,
+    ],
+    ids=lambda t: f"{type(t).__name__} {getattr(t, 'dtype', '')}",
+)
+def test_threshold_choice_accepts_0dim_tensors_and_numbers(threshold, recwarn, capsys):
+    assert ex.check_threshold_choice(threshold, CLEAN, OUTLIERS) is True
+    out = capsys.readouterr().out
+    assert out.endswith("Passed.\n") and "ignores 4 of 4" in out
+    assert not recwarn.list  # no requires_grad or complex-cast warning
+
+
+@pytest.mark.parametrize(
+    "clean",
+    [
+        torch.tensor(CLEAN),
+        torch.tensor(CLEAN).reshape(10, 10),
+        [torch.tensor(n) for n in CLEAN],  # a list of 0-dim norms
+        torch.tensor(CLEAN, requires_grad=True),
+        np.array(CLEAN),
+        (n for n in CLEAN),
+    ],
+    ids=["tensor", "2-d tensor", "list of 0-dim tensors", "requires_grad", "numpy", "generator"],
+)
+def test_threshold_choice_takes_norms_in_any_container(clean, recwarn, capsys):
+    assert ex.check_threshold_choice(2.0, clean, torch.tensor(OUTLIERS)) is True
+    assert "keeps 100 of 100 clean steps" in capsys.readouterr().out
+    assert not recwarn.list
+
+
+def test_threshold_choice_one_bare_0dim_norm(capsys):
+    # one bare 0-dim tensor is one step, on either side
+    assert ex.check_threshold_choice(2.0, torch.tensor(1.5), torch.tensor(9.0)) is True
+    assert "keeps 1 of 1 clean steps" in capsys.readouterr().out
+    assert ex.check_threshold_choice(2.0, torch.tensor(1.5), torch.tensor(1.9)) is False
+    assert "Too high" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "clean",
+    [torch.tensor([1.0 + 0j]), [torch.tensor([1.0, 2.0])], 1.5, ["a"]],
+    ids=["complex", "list of 1-d tensors", "a bare number", "strings"],
+)
+def test_threshold_choice_rejects_norms_that_are_not_numbers(clean, recwarn, capsys):
+    assert ex.check_threshold_choice(2.0, clean, [9.0]) is False
+    assert "must be sequences of numbers" in capsys.readouterr().out
+    assert not recwarn.list
 
 
 def test_threshold_choice_says_when_impossible(capsys):

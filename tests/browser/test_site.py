@@ -853,11 +853,13 @@ SEARCHES = {
         "book/appendix/corrections",
     },
     # torch.amp.GradScaler: the skip chapter ("How GradScaler skips"), the mistake of
-    # clipping before unscale_ in the corrections, and the closing chapter's table
+    # clipping before unscale_ in the corrections, the closing chapter's table, and the
+    # mixed-precision chapter's recipe
     "GradScaler": {
         "book/training/skip_step",
         "book/appendix/corrections",
         "book/training/which_control",
+        "book/scale/mixed_precision",
     },
     # skipping a step: chapter 8, and the training comparison of chapter 7
     "skip": {"book/training/skip_step", "book/training/clip_vs_ignore"},

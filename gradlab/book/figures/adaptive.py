@@ -531,8 +531,8 @@ def agc_curves_figure(runs: dict[str, dict[str, Any]], title: str = "") -> Figur
 def agc_figure(
     clip_factor: float, ratios: list[dict[str, Any]], runs: dict[Any, dict[str, Any]]
 ) -> Figure:
-    """Left: every unit's ``‖G_i‖/‖W_i‖`` (head excluded) and the bound ``λ``; right: the
-    training loss with AGC at ``λ``, from ``runs`` keyed by λ, beside ``runs["clip"]``
+    """Left: every unit's ``‖G_i‖/‖W_i‖`` (head excluded) and the bound ``ρ``; right: the
+    training loss with AGC at ``ρ``, from ``runs`` keyed by ρ, beside ``runs["clip"]``
     (global clipping) and ``runs["reference"]`` (the unscaled network, clipped globally)."""
     fig = new_figure(6.8, 3.0)
     left, right = fig.subplots(1, 2, width_ratios=[1.1, 1])
@@ -546,7 +546,7 @@ def agc_figure(
         left.annotate(row["name"], (x0, r.max()), xytext=(0, 4), textcoords="offset points",
                       fontsize=6)  # fmt: skip
         x0 += len(r) + 2
-    left.axhline(clip_factor, color=THRESHOLD, ls="--", lw=1, label=f"λ = {clip_factor:g}")
+    left.axhline(clip_factor, color=THRESHOLD, ls="--", lw=1, label=f"ρ = {clip_factor:g}")
     left.set_yscale("log")
     left.set_ylabel("‖G_i‖ / ‖W_i‖ at step 0")
     left.set_xticks([])
@@ -555,7 +555,7 @@ def agc_figure(
     for label, run, colour, style in [
         ("reference: unscaled, global clip", runs["reference"], NONE, ":"),
         ("scaled, global clip", runs["clip"], CLIP, "-"),
-        (f"scaled, AGC λ = {clip_factor:g}", runs[clip_factor], KEEP, "-"),
+        (f"scaled, AGC ρ = {clip_factor:g}", runs[clip_factor], KEEP, "-"),
     ]:
         right.plot(_smooth(run["losses"]), style, color=colour, lw=1.4, label=label)
     right.set_yscale("log")
@@ -563,5 +563,5 @@ def agc_figure(
     right.set_ylabel("training loss (10-step mean)")
     right.legend(fontsize=6.5, loc="upper right")
     final = runs[clip_factor]["final"]
-    right.set_title(f"AGC at λ = {clip_factor:g}: final loss {final:.3g}", fontsize=8)
+    right.set_title(f"AGC at ρ = {clip_factor:g}: final loss {final:.3g}", fontsize=8)
     return fig

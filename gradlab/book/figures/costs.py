@@ -13,7 +13,7 @@ Two kinds of numbers:
 The cost model joins them:
 
 .. math::
-    T \approx c_\text{op}\,K + c_\text{tensor}\,V + \frac{B}{\beta} + c_\text{sync}\,S,
+    t_\text{call} \approx c_\text{op}\,K + c_\text{tensor}\,V + \frac{B}{\beta} + c_\text{sync}\,S,
 
 with :math:`K` operator calls, :math:`V` tensor visits, :math:`B` bytes moved,
 bandwidth :math:`\beta` and :math:`S` host reads. :func:`fit_cost_model` estimates
@@ -251,7 +251,7 @@ PASS_KINDS: dict[str, tuple[int, int]] = {
 
 @dataclass(frozen=True)
 class CostModel:
-    """``T = c_op K + c_tensor V + bytes / bandwidth`` (seconds, bytes/s).
+    """``t_call = c_op K + c_tensor V + bytes / bandwidth`` (seconds, bytes/s).
 
     With ``elementwise_seconds_per_byte`` set (a fit ``by_kind``), the bytes are split
     by operator type: ``seconds_per_byte`` prices the bytes of reductions and

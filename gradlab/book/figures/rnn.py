@@ -146,7 +146,7 @@ def test_set(length: int, setup: Setup = Setup()) -> tuple[Tensor, Tensor]:
 
 
 class AdditionRNN(nn.Module):
-    r"""A vanilla RNN, :math:`h_t = \tanh(W h_{t-1} + U x_t + b)`, read out linearly at
+    r"""A vanilla RNN, :math:`h_t = \tanh(W_{hh} h_{t-1} + W_{xh} x_t + b)`, read out linearly at
     the last step. ``rnn`` is a :class:`torch.nn.RNN` (its loop runs in C++)."""
 
     def __init__(self, hidden: int) -> None:
@@ -380,12 +380,12 @@ def success_table(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def jacobian_check(length: int = 20, seed: int = 0, setup: Setup = Setup()) -> dict[str, float]:
-    r"""Check :math:`\partial h_T/\partial h_0 = \prod_{t=T}^{1} \mathrm{diag}(1 - h_t^2)\,W`
+    r"""Check :math:`\partial h_T/\partial h_0 = \prod_{t=T}^{1} \mathrm{diag}(1 - h_t^2)\,W_{hh}`
     on one sequence of the model of ``seed``, in float64, and bound its norm.
 
     Returns the spectral norm of the product of Jacobians, the largest difference to
-    autograd's Jacobian, :math:`\|W\|_2`, the bound :math:`\|W\|_2^T` (each tanh factor
-    has norm at most 1) and the spectral radius of :math:`W`.
+    autograd's Jacobian, :math:`\|W_{hh}\|_2`, the bound :math:`\|W_{hh}\|_2^T` (each tanh factor
+    has norm at most 1) and the spectral radius of :math:`W_{hh}`.
     """
     model = make_model(seed, setup).double()
     x, _ = addition_batch(1, length, torch.Generator().manual_seed(seed))

@@ -21,13 +21,20 @@ percentile ``q`` each rule therefore rejects about ``100 - q`` percent of clean 
 the two kinds of threshold make the same number of false alarms.
 
 Compute functions return plain numbers and numpy arrays; figure functions draw them.
+
+The grid of the chapter's explorable (every method at three thresholds and three
+corruption rates) is computed by ``experiments/clip_vs_ignore_grid.py`` and stored in
+``book/training/data/clip_vs_ignore_grid.json``; :func:`load_grid` reads it back.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +48,7 @@ from gradlab.skip import StepGuard
 
 __all__ = [
     "FAIL_FACTOR",
+    "GRID_PATH",
     "METHODS",
     "Experiment",
     "RunResult",
@@ -54,6 +62,9 @@ __all__ = [
     "corruption_schedule",
     "experiment_grid",
     "grid_figure",
+    "grid_from_dict",
+    "grid_to_dict",
+    "load_grid",
     "loss_curves_figure",
     "make_data",
     "norm_trace_figure",
@@ -360,6 +371,84 @@ def experiment_grid(
                 experiment.runs = {"none": uncontrolled[r], **experiment.runs}
             grid[(q, r)] = experiment
     return grid
+
+
+#: The stored grid of the chapter's explorable, written by experiments/clip_vs_ignore_grid.py.
+GRID_PATH = Path(__file__).resolve().parents[3] / "book/training/data/clip_vs_ignore_grid.json"
+
+
+def _bits(mask: np.ndarray) -> str:
+    return "".join("1" if b else "0" for b in mask)
+
+
+def _run_to_dict(run: RunResult) -> dict[str, Any]:
+    # JSON has no inf: a diverged evaluation is stored as null. Floats round-trip exactly.
+    losses = [float(v) if math.isfinite(v) else None for v in run.test_loss]
+    return {
+        "method": run.method,
+        "seed": run.seed,
+        "eval_steps": [int(s) for s in run.eval_steps],
+        "test_loss": losses,
+        "acted": _bits(run.acted),
+        "corrupted": _bits(run.corrupted),
+    }
+
+
+def _run_from_dict(values: dict[str, Any]) -> RunResult:
+    steps = len(values["acted"])
+    losses = [math.inf if v is None else v for v in values["test_loss"]]
+    return RunResult(
+        method=values["method"],
+        seed=values["seed"],
+        eval_steps=np.asarray(values["eval_steps"]),
+        test_loss=np.asarray(losses, dtype=float),
+        total_norm=np.full(steps, np.nan),  # not stored: the grid figure does not use them
+        max_abs=np.full(steps, np.nan),
+        acted=np.array([c == "1" for c in values["acted"]], dtype=bool),
+        corrupted=np.array([c == "1" for c in values["corrupted"]], dtype=bool),
+    )
+
+
+def grid_to_dict(grid: dict[tuple[float, float], Experiment]) -> dict[str, Any]:
+    """:func:`experiment_grid`'s result as JSON-ready plain values.
+
+    Kept per run: the test-loss curve, and which steps were acted on and corrupted
+    (what :func:`grid_figure` and :func:`summary_rows` use); the per-step norms are not.
+    """
+    cells = []
+    for (q, r), experiment in grid.items():
+        cells.append(
+            {
+                "percentile": q,
+                "rate": r,
+                "thresholds": asdict(experiment.thresholds),
+                "runs": {m: [_run_to_dict(x) for x in runs] for m, runs in experiment.runs.items()},
+            }
+        )
+    setup = next(iter(grid.values())).setup if grid else Setup()
+    return {"setup": asdict(setup), "cells": cells}
+
+
+def grid_from_dict(data: dict[str, Any]) -> dict[tuple[float, float], Experiment]:
+    """The grid stored by :func:`grid_to_dict`, as :class:`Experiment` objects.
+
+    The runs' ``total_norm`` and ``max_abs`` are NaN: they are not stored.
+    """
+    setup = Setup(**data["setup"])
+    grid = {}
+    for cell in data["cells"]:
+        experiment = Experiment(
+            rate=cell["rate"], thresholds=Thresholds(**cell["thresholds"]), setup=setup
+        )
+        experiment.runs = {m: [_run_from_dict(x) for x in runs] for m, runs in cell["runs"].items()}
+        grid[(cell["percentile"], cell["rate"])] = experiment
+    return grid
+
+
+def load_grid(path: Path | str = GRID_PATH) -> dict[tuple[float, float], Experiment]:
+    """The stored grid of the chapter's explorable (see :func:`grid_from_dict`)."""
+    data = json.loads(Path(path).read_text())
+    return grid_from_dict(data)
 
 
 # ------------------------------------------------------------------------ summaries
