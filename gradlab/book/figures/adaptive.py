@@ -546,7 +546,7 @@ def agc_figure(
         left.annotate(row["name"], (x0, r.max()), xytext=(0, 4), textcoords="offset points",
                       fontsize=6)  # fmt: skip
         x0 += len(r) + 2
-    left.axhline(clip_factor, color=THRESHOLD, ls="--", lw=1, label=f"ρ = {clip_factor:g}")
+    left.axhline(clip_factor, color=THRESHOLD, ls="--", lw=1, label=rf"$\rho$ = {clip_factor:g}")
     left.set_yscale("log")
     left.set_ylabel("‖G_i‖ / ‖W_i‖ at step 0")
     left.set_xticks([])
@@ -555,7 +555,7 @@ def agc_figure(
     for label, run, colour, style in [
         ("reference: unscaled, global clip", runs["reference"], NONE, ":"),
         ("scaled, global clip", runs["clip"], CLIP, "-"),
-        (f"scaled, AGC ρ = {clip_factor:g}", runs[clip_factor], KEEP, "-"),
+        (rf"scaled, AGC $\rho$ = {clip_factor:g}", runs[clip_factor], KEEP, "-"),
     ]:
         right.plot(_smooth(run["losses"]), style, color=colour, lw=1.4, label=label)
     right.set_yscale("log")
@@ -563,5 +563,5 @@ def agc_figure(
     right.set_ylabel("training loss (10-step mean)")
     right.legend(fontsize=6.5, loc="upper right")
     final = runs[clip_factor]["final"]
-    right.set_title(f"AGC at ρ = {clip_factor:g}: final loss {final:.3g}", fontsize=8)
+    right.set_title(rf"AGC at $\rho$ = {clip_factor:g}: final loss {final:.3g}", fontsize=8)
     return fig
