@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from verdicts import assert_fails, assert_passes, run
 
 import gradlab
 from gradlab.book import exercises as ex
@@ -77,26 +78,6 @@ def ref_guarded_step(parameters, optimizer, max_norm):
         optimizer.step()
         return True
     return False
-
-
-def run(check, fn, capsys):
-    """Run a check; return (verdict, printed text)."""
-    verdict = check(fn)
-    return verdict, capsys.readouterr().out
-
-
-def assert_passes(check, fn, capsys):
-    verdict, out = run(check, fn, capsys)
-    assert verdict is True, out
-    assert re.fullmatch(r"All \d+ cases pass\.\n", out), out
-
-
-def assert_fails(check, fn, capsys, *fragments):
-    verdict, out = run(check, fn, capsys)
-    assert verdict is False, out
-    for fragment in fragments:
-        assert fragment in out, (fragment, out)
-    return out
 
 
 # ------------------------------------------------------------ accepted answers

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from verdicts import assert_fails, assert_passes
 
 from gradlab.book import exercises_privacy as ex
 from gradlab.per_sample import ignore_per_sample_, per_sample_norms
@@ -48,25 +49,6 @@ def ghost_gram(a, g):
 def materialised_ghost(a, g):
     grads = torch.einsum("bto,bti->boi", g, a)  # (B, d_out, d_in)
     return per_sample_norms([grads]).squeeze(1).to(a.dtype)
-
-
-def run(check, fn, capsys):
-    verdict = check(fn)
-    return verdict, capsys.readouterr().out
-
-
-def assert_passes(check, fn, capsys):
-    verdict, out = run(check, fn, capsys)
-    assert verdict is True, out
-    assert re.fullmatch(r"All \d+ cases pass\.\n", out), out
-
-
-def assert_fails(check, fn, capsys, *fragments):
-    verdict, out = run(check, fn, capsys)
-    assert verdict is False, out
-    for fragment in fragments:
-        assert fragment in out, (fragment, out)
-    return out
 
 
 @pytest.mark.parametrize(
