@@ -215,7 +215,7 @@ def replay(
 
 
 def zclip_boundary(policy: ZClip) -> float:
-    """The norm above which ``policy`` clips now, ``mu + z_t (sigma + eps)`` (inf in warm-up)."""
+    """The norm above which ``policy`` clips now, ``x_bar + z_t (sigma + eps)`` (inf in warm-up)."""
     state = policy.state_dict()["state"]
     if int(state["count"]) < policy.warmup:
         return math.inf
@@ -337,7 +337,7 @@ def autoclip_figure(quantile: float, window: int, grid: dict, traces: dict[str, 
 
 def zclip_figure(alpha: float, z_thresh: float, grid: dict, traces: dict[str, Any]) -> Figure:
     """ZClip with EMA memory ``alpha`` and threshold ``z_thresh``, clip mode; the dashed
-    line is ``mu + z_t sigma``, above which a norm is clipped."""
+    line is ``x_bar + z_t sigma``, above which a norm is clipped."""
     return _grid_figure(
         traces,
         grid[(alpha, z_thresh)],
