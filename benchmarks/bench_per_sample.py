@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_per_sample.py               # 1 thread, batch 64
     .venv/bin/python benchmarks/bench_per_sample.py --repeats 50  # steadier numbers
+    .venv/bin/python benchmarks/bench_per_sample.py --repeats 30 \
+        --json book/scale/data/per_sample_costs.json          # the table the book shows
 
 Every column is one optimizer step: zero_grad, forward, loss, per-sample clipping to
 ``--max-norm`` with a mean over the batch, and an SGD step; noise is off everywhere so
@@ -26,9 +28,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +174,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds (20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds (3)")
     parser.add_argument("--max-norm", type=float, default=1.0, help="C (1.0)")
+    parser.add_argument("--json", type=Path, help="also write the table and settings here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -216,6 +223,7 @@ def main() -> None:
     )
     print(f"# {args.repeats} timed rounds after {args.warmup} warm-up rounds\n")
     base_min = min(times["non-private"])
+    rows = []
     header = "| method | min ms | median ms | x non-private | max abs grad diff vs loop |"
     print(header)
     print("|---|---:|---:|---:|---:|")
@@ -227,6 +235,33 @@ def main() -> None:
             f"| {name} | {best:.1f} | {statistics.median(ts):.1f} | "
             f"{best / base_min:.2f}x | {diff_text} |"
         )
+        rows.append(
+            {
+                "method": name,
+                "min_ms": round(best, 1),
+                "median_ms": round(statistics.median(ts), 1),
+                "ratio_to_non_private": round(best / base_min, 2),
+                "max_abs_grad_diff_vs_loop": None
+                if name == "non-private"
+                else float(f"{diff:.1e}"),
+            }
+        )
+    if args.json is not None:
+        record = {
+            "command": "python benchmarks/bench_per_sample.py " + " ".join(sys.argv[1:]),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+            "torch": torch.__version__,
+            "opacus": opacus_note.removeprefix("opacus "),
+            "python": platform.python_version(),
+            "model": f"MLP 784-400-200-10 ({n_params:,} parameters)",
+            "batch": args.batch,
+            "threads": args.threads,
+            "max_norm": args.max_norm,
+            "timed_rounds": args.repeats,
+            "warmup_rounds": args.warmup,
+            "rows": rows,
+        }
+        args.json.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     if opacus_note.startswith("opacus not"):
         print(f"\nNote: {opacus_note}.")
 
