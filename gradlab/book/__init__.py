@@ -1,7 +1,8 @@
 """The book's own code: figures, explorables, demo models, exercise checks, benchmarks.
 
 Nothing in the library (:mod:`gradlab`) imports this package. It needs the ``book``
-extra, which brings numpy, matplotlib, pillow and ipywidgets::
+extra, which brings numpy, matplotlib, pillow, ipywidgets and opacus (for the privacy
+accounting of the per-sample chapter)::
 
     pip install "gradlab[book]"
 
