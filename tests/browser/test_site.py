@@ -854,12 +854,15 @@ SEARCHES = {
     },
     # torch.amp.GradScaler: the skip chapter ("How GradScaler skips"), the mistake of
     # clipping before unscale_ in the corrections, the closing chapter's table, and the
-    # mixed-precision chapter's recipe
+    # mixed-precision chapter's recipe; the notation page (the loss scale) and the page
+    # for instructors (an exercise on it)
     "GradScaler": {
         "book/training/skip_step",
         "book/appendix/corrections",
         "book/training/which_control",
         "book/scale/mixed_precision",
+        "book/notation",
+        "book/instructors",
     },
     # skipping a step: chapter 8, and the training comparison of chapter 7
     "skip": {"book/training/skip_step", "book/training/clip_vs_ignore"},
