@@ -174,9 +174,9 @@ def check_max_loss_scale(fn: Callable) -> bool:
     """Check ``fn(grads)``: the largest power-of-two loss scale that float16 can store.
 
     ``grads`` is an iterable of unscaled gradient tensors (a generator included; any
-    floating dtype). The answer is the largest ``S = 2**k``, k an integer from -24 to
-    24, such that every entry of ``S * g`` stays finite when stored in float16
-    (``(S * g).to(torch.float16)`` with the product taken exactly); ``2**24`` when
+    floating dtype). The answer is the largest ``omega = 2**k``, k an integer from -24 to
+    24, such that every entry of ``omega * g`` stays finite when stored in float16
+    (``(omega * g).to(torch.float16)`` with the product taken exactly); ``2**24`` when
     nothing can overflow (no entries, or only zeros); ``None`` when no allowed scale
     works (a NaN or infinite entry, or one too large even for ``2**-24``). It must
     return a Python number or None and leave its inputs unchanged. The expected

@@ -3,8 +3,8 @@ r"""16-bit floats and gradients (taught in book/scale/mixed_precision).
 A gradient entry stored in float16 is rounded to the nearest float16 number: below
 half the smallest subnormal, :math:`2^{-25}`, that is 0 (the entry *underflows*);
 from 65520 on, halfway between the largest finite float16, 65504, and :math:`2^{16}`,
-it is ``inf`` (the entry *overflows*). A loss scale :math:`S = 2^k` multiplies every
-gradient by :math:`S` before it is stored, which slides that window of representable
+it is ``inf`` (the entry *overflows*). A loss scale :math:`\omega = 2^k` multiplies every
+gradient by :math:`\omega` before it is stored, which slides that window of representable
 magnitudes over the gradients; bfloat16 has float32's exponent range and needs no
 scale. The computations here (:func:`formats`, :func:`fates`,
 :func:`autocast_gradients`) return plain numbers, decided by torch's own casts and
@@ -287,7 +287,7 @@ def scale_figure(log2_scale: int = 16, dtype: str = "float16", seed: int = 0) ->
 
     The x-axis is the *unscaled* magnitude; the shaded band is the range of
     magnitudes that ``dtype`` stores at full precision once multiplied by the loss
-    scale :math:`S = 2^k`: :math:`[\text{smallest normal}/S,\ \max/S]`.
+    scale :math:`\omega = 2^k`: :math:`[\text{smallest normal}/\omega,\ \max/\omega]`.
     """
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
@@ -311,8 +311,8 @@ def scale_figure(log2_scale: int = 16, dtype: str = "float16", seed: int = 0) ->
     ax.axvspan(zero_edge, band_lo, color=CLIP, alpha=0.12, lw=0)
     ax.axvspan(info.overflow_at / scale, right, color=SKIP, alpha=0.08, lw=0)
     for edge, text, ha in (
-        (band_lo, f"smallest normal / S\n= {band_lo:.1e}", "left"),
-        (band_hi, f"max / S\n= {band_hi:.1e}", "right"),
+        (band_lo, f"smallest normal / $\\omega$\n= {band_lo:.1e}", "left"),
+        (band_hi, f"max / $\\omega$\n= {band_hi:.1e}", "right"),
     ):
         if left < edge < right:
             ax.axvline(edge, color="black", lw=0.8, ls="--")
@@ -342,7 +342,7 @@ def scale_figure(log2_scale: int = 16, dtype: str = "float16", seed: int = 0) ->
     ax.set_ylabel("entries (log scale)")
     share = 100 * (counts.zero + counts.overflow) / counts.total
     ax.set_title(
-        f"{dtype}, loss scale S = 2^{log2_scale}: {share:.1f}% of {counts.total} "
+        f"{dtype}, loss scale $\\omega$ = 2^{log2_scale}: {share:.1f}% of {counts.total} "
         "entries lost to 0 or inf",
         fontsize=10,
     )
