@@ -88,6 +88,8 @@ def plain(text: str) -> str:
     def accent(match: re.Match) -> str:
         return unicodedata.normalize("NFC", match.group(2) + _ACCENTS[match.group(1)])
 
+    # TeX puts an accent on a dotless i or j (Mart{\'\i}n): here, on the letter
+    text = re.sub(r"\\([\'`^\"~=.])\{?\\([ij])\b\}?", accent, text)
     text = re.sub(r"\\([\'`^\"~=.])\{?([A-Za-z])\}?", accent, text)
     text = re.sub(r"\\([vcuH])\{([A-Za-z])\}", accent, text)
     text = re.sub(r"\\([vcuH]) ([A-Za-z])", accent, text)

@@ -21,6 +21,19 @@ def test_references_are_read_from_the_bib():
     assert all('"' not in r["full"] for r in refs.values())
 
 
+@pytest.mark.parametrize(
+    ("bibtex", "text"),
+    [
+        ("Tom{\\'a}{\\v{s}} Mikolov", "Tomáš Mikolov"),
+        ("Mart{\\'\\i}n Abadi", "Martín Abadi"),  # the dotless i takes the accent
+        ("Mart{\\'i}n", "Martín"),
+        ("Tram{\\`e}r", "Tramèr"),
+    ],
+)
+def test_bibtex_accents_become_letters(bibtex, text):
+    assert mc.plain(bibtex) == text
+
+
 def test_textual_and_parenthetical_citations_become_links_to_the_key():
     out = mc.convert_markdown("by {cite:t}`pascanu2013difficulty`.", HERE)
     assert out.startswith('by [Pascanu et al. (2013)](#pascanu2013difficulty "Razvan Pascanu')
