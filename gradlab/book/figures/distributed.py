@@ -7,7 +7,7 @@ Two kinds of content:
   :math:`\beta` (bytes per second) per link,
 
   .. math::
-      T_\text{ring} = 2(N-1)\,\alpha + \frac{2(N-1)}{N}\,\frac{B}{\beta},
+      t_\text{ring} = 2(N-1)\,\alpha + \frac{2(N-1)}{N}\,\frac{B}{\beta},
       \qquad
       T_\text{rd} = \lceil\log_2 N\rceil\,\Bigl(\alpha + \frac{B}{\beta}\Bigr),
 
