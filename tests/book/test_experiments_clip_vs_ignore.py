@@ -8,9 +8,9 @@ every stored number bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
+import experiment_scripts
 import numpy as np
 import pytest
 import torch
@@ -20,11 +20,7 @@ from gradlab.book.figures import training
 
 @pytest.fixture(scope="module")
 def script():
-    path = training.GRID_PATH.parents[3] / "experiments" / "clip_vs_ignore_grid.py"
-    spec = importlib.util.spec_from_file_location("clip_vs_ignore_grid", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_scripts.load("clip_vs_ignore_grid")
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ few seconds rerun the beginning of one stored run and compare every stored numbe
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
+import experiment_scripts
 import pytest
 
 from gradlab.book.figures import rnn
@@ -24,11 +24,7 @@ def data():
 
 @pytest.fixture(scope="module")
 def script():
-    path = rnn.DATA_PATH.parents[3] / "experiments" / "rnn_long_dependency.py"
-    spec = importlib.util.spec_from_file_location("rnn_long_dependency", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_scripts.load("rnn_long_dependency")
 
 
 def _close(a, b):

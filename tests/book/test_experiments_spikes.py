@@ -12,9 +12,9 @@ decisions (kept, clipped, skipped) must agree exactly.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
+import experiment_scripts
 import pytest
 
 from gradlab.book.figures import spikes
@@ -27,11 +27,7 @@ PREFIX_RUNS = [("clip+skip", 0), ("none", 1)]
 
 @pytest.fixture(scope="module")
 def script():
-    path = spikes.DATA_DIR.parents[2] / "experiments" / "char_lm_spikes.py"
-    spec = importlib.util.spec_from_file_location("char_lm_spikes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_scripts.load("char_lm_spikes")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import experiment_scripts
 import pytest
 import torch
 
@@ -52,12 +53,7 @@ def test_prefix_reproduces_the_corruption_and_the_losses(stored, rerun):
 
 def test_script_writes_the_same_prefix(tmp_path, monkeypatch):
     """The script's main writes JSON that load_traces reads (run on a short prefix)."""
-    import importlib.util
-
-    path = adaptive.DATA_PATH.parents[3] / "experiments/record_norm_traces.py"
-    spec = importlib.util.spec_from_file_location("record_norm_traces", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = experiment_scripts.load("record_norm_traces")
     real = adaptive.record_traces
     monkeypatch.setattr(adaptive, "record_traces", lambda: real(steps=5))
     out = tmp_path / "traces.json"
