@@ -358,13 +358,12 @@ class StepGuard:
         self._norm_group = process_group if grads == "sharded" else None
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._transaction = None if self._fused else Transaction(optimizer)
+        device = optimizer.param_groups[0]["params"][0].device
         self._flag: Tensor | None = None
         if self._fused and not sync:
-            device = optimizer.param_groups[0]["params"][0].device
             self._flag = torch.zeros((), dtype=torch.float32, device=device)
             optimizer.found_inf = self._flag
-        first_device = optimizer.param_groups[0]["params"][0].device
-        self._device_codes = {first_device: _Codes(first_device)}
+        self._device_codes = {device: _Codes(device)}
         self._steps = 0
         # Counts of kept, clipped, skipped steps and the current run of skips: Python ints
         # with sync=True, device tensors with sync=False (read only when asked).
@@ -657,7 +656,8 @@ class StepGuard:
             )
             self._one = torch.ones(1, dtype=torch.int64, device=code.device)
         self._counts.index_add_(0, code.view(1), self._one)
-        # 1 for _SKIPPED, else 0: an int64, so one fused update below
+        # code >> 1 is 1 for _SKIPPED, else 0 (the clipped code is the 1 to shift by): an
+        # int64, so that one fused update follows
         skipped = torch.bitwise_right_shift(code, self._codes(code.device).clipped)
         torch.addcmul(skipped, self._consecutive, skipped, out=self._consecutive)
 
