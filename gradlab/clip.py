@@ -711,16 +711,20 @@ def clip_grad_value_(
     _check_foreach(foreach)
     grads = _distributed.local_tensors(_grads_of(parameters))
     with torch.no_grad():
-        for device, dtype, group in _groups(grads):
-            bound = _clamp_bound(clip_value, device, dtype)
-            if _use_foreach(group, device, foreach):
-                # The foreach clamps take a number, or one tensor per gradient.
-                many = isinstance(bound, Tensor)
-                torch._foreach_clamp_min_(group, [-bound] * len(group) if many else -bound)
-                torch._foreach_clamp_max_(group, [bound] * len(group) if many else bound)
-            else:
-                for g in group:
-                    g.clamp_(min=-bound, max=bound)
+        _clamp_(_groups(grads), clip_value, foreach)
+
+
+def _clamp_(groups: Groups, clip_value: Threshold, foreach: bool | None) -> None:
+    for device, dtype, group in groups:
+        bound = _clamp_bound(clip_value, device, dtype)
+        if _use_foreach(group, device, foreach):
+            # The foreach clamps take a number, or one tensor per gradient.
+            many = isinstance(bound, Tensor)
+            torch._foreach_clamp_min_(group, [-bound] * len(group) if many else -bound)
+            torch._foreach_clamp_max_(group, [bound] * len(group) if many else bound)
+        else:
+            for g in group:
+                g.clamp_(min=-bound, max=bound)
 
 
 # ------------------------------------------------------------------------ ignoring
@@ -763,6 +767,13 @@ def _keep_by_norm(max_norm: Threshold, total_norm: Tensor) -> Tensor:
     # The rule of clip_grad_norm_: kept exactly when clipping would not rescale. Written
     # as a >= so that a NaN norm fails it, and an infinite one gives 0 >= 1, false.
     return _ratio(max_norm, total_norm) >= 1.0
+
+
+def _keep_by_value(clip_value: Threshold, largest: Tensor) -> Tensor:
+    # In float64, so that the threshold is not rounded to the gradients' precision; a
+    # NaN or infinite entry fails the <.
+    wide = largest.to(torch.float64)
+    return wide < _like(clip_value, wide)
 
 
 def grad_ignore_with_norm_(
@@ -925,8 +936,7 @@ def grad_ignore_value_(
     grads = _grads_of(parameters, "ignoring")
     groups, largest = _norm_of_grads(grads, math.inf, False, foreach, "", process_group)
     with torch.no_grad():
-        wide = largest.to(torch.float64)
-        _zero_unless(groups, wide < _like(clip_value, wide), foreach)
+        _zero_unless(groups, _keep_by_value(clip_value, largest), foreach)
     return largest
 
 

@@ -53,10 +53,15 @@ from gradlab import _distributed
 from gradlab._transaction import Transaction
 from gradlab.adaptive import ThresholdPolicy
 from gradlab.clip import (
-    EPS,
+    _SAME_WIDTH_INT,
     _check_norm_type,
     _check_process_group,
     _check_threshold,
+    _clamp_,
+    _clip_,
+    _groups,
+    _keep_by_norm,
+    _keep_by_value,
     get_total_norm,
 )
 
@@ -65,6 +70,15 @@ __all__ = ["DECISIONS", "SkipLimitError", "StepGuard", "StepRecord", "ThresholdP
 #: The decisions a :class:`StepGuard` records, indexed by their device-side code.
 DECISIONS = ("kept", "clipped", "skipped")
 _KEPT, _CLIPPED, _SKIPPED = 0, 1, 2
+_SKIPS, _RUN, _CLIPS = 0, 1, 2  # the guard's tally of its steps
+
+
+def _decision_name(decision: Tensor, value: float) -> str:
+    """The name of a device decision read as ``value``: a keep boolean or a code."""
+    if decision.dtype == torch.bool:
+        return "kept" if value else "skipped"
+    return DECISIONS[int(value)]
+
 
 _MODES = ("none", "clip", "skip")
 _BY = ("norm", "value")
@@ -97,7 +111,9 @@ class StepRecord:
         output: what ``optimizer.step()`` returned (``None`` if it was not called).
 
     ``total_norm`` and ``decision`` may be held as 0-dim device tensors until they
-    are first read (a host read), so that recording a step never forces one.
+    are first read (a host read), so that recording a step never forces one: the
+    decision as a boolean (True: kept, False: skipped) or as an integer code, its
+    index in :data:`DECISIONS`.
     """
 
     __slots__ = ("_decision", "_norm", "output", "step")
@@ -108,9 +124,11 @@ class StepRecord:
         if isinstance(decision, str) and decision not in DECISIONS:
             raise ValueError(f"decision must be one of {DECISIONS}, got {decision!r}")
         self.step = int(step)
-        self._norm: float | Tensor = (
-            total_norm.detach() if isinstance(total_norm, Tensor) else float(total_norm)
-        )
+        if not isinstance(total_norm, Tensor):
+            total_norm = float(total_norm)
+        elif total_norm.requires_grad:
+            total_norm = total_norm.detach()
+        self._norm: float | Tensor = total_norm
         self._decision: str | Tensor = decision
         self.output = output
 
@@ -162,11 +180,11 @@ def _resolve(records: list[StepRecord]) -> None:
                 slots.setdefault(value.device, []).append((record, name, value))
     for entries in slots.values():
         values = torch.stack([t.to(torch.float64) for _, _, t in entries]).tolist()
-        for (record, name, _), value in zip(entries, values, strict=True):
+        for (record, name, tensor), value in zip(entries, values, strict=True):
             if name == "_norm":
                 record._norm = value
             else:
-                record._decision = DECISIONS[int(value)]
+                record._decision = _decision_name(tensor, value)
 
 
 # --------------------------------------------------------------------------- guard
@@ -187,7 +205,9 @@ class StepGuard:
     gradients (``by="norm"``) or their largest absolute entry (``by="value"``). A step
     is *over* a threshold :math:`\tau` by the rules of :func:`gradlab.grad_ignore_norm_`
     and :func:`gradlab.grad_ignore_value_`: :math:`\tau / (s + 10^{-6}) < 1` by norm,
-    :math:`s \ge \tau` by value; NaN is always over.
+    rounded as torch rounds its clip coefficient, :math:`s \ge \tau` by value; NaN is
+    always over. A fixed :math:`\tau` is turned once into the largest :math:`s` it
+    keeps, so that each step makes one comparison.
 
     ``mode``:
 
@@ -225,7 +245,9 @@ class StepGuard:
     LBFGS) or step hooks are registered (hooks are host code), and one every
     ``max_consecutive_skips`` steps to check that limit. ``sync=True`` steps the
     scheduler with no further read. Memory: one copy of the stepped parameters and
-    their state on the snapshot path (allocated once), one scalar on the fused path.
+    their state on the snapshot path (allocated once), and on every path O(1): five
+    numbers on the device (three counters, the flag and a 1 beside it) and each fixed
+    threshold as four 0-dim CPU tensors.
 
     With :class:`torch.amp.GradScaler`, measure the unscaled gradients::
 
@@ -338,15 +360,17 @@ class StepGuard:
         self.sync = sync
         # Fixed thresholds are 0-dim tensors so that a compiled decision does not
         # specialise (and recompile) on their value.
+        rule = _keep_by_norm if by == "norm" else _keep_by_value
         self._policy, number = _threshold_arg("threshold", threshold)
-        self._threshold = _Fixed(number)
+        self._threshold = _Fixed(number, rule)
         self._loss_policy, self._loss_threshold = None, None
         if loss_threshold is not None:
             self._loss_policy, number = _threshold_arg("loss_threshold", loss_threshold)
             self._loss_threshold = _Fixed(number)
         self._skip_above = None
         if skip_above is not None:
-            self._skip_above = _Fixed(_threshold_arg("skip_above", skip_above, policy=False)[1])
+            number = _threshold_arg("skip_above", skip_above, policy=False)[1]
+            self._skip_above = _Fixed(number, rule)
         if scheduler is not None:
             _check_scheduler(scheduler, optimizer, sync)
         self._scheduler = scheduler
@@ -359,17 +383,20 @@ class StepGuard:
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._transaction = None if self._fused else Transaction(optimizer)
         device = optimizer.param_groups[0]["params"][0].device
-        self._flag: Tensor | None = None
-        if self._fused and not sync:
-            self._flag = torch.zeros((), dtype=torch.float32, device=device)
-            optimizer.found_inf = self._flag
         self._device_codes = {device: _Codes(device)}
         self._steps = 0
-        # Counts of kept, clipped, skipped steps and the current run of skips: Python ints
-        # with sync=True, device tensors with sync=False (read only when asked).
-        self._counts: list[int] | Tensor = [0, 0, 0]
-        self._consecutive: int | Tensor = 0
-        self._one: Tensor | None = None
+        # Skipped steps, the current run of skips and clipped steps (kept ones are the
+        # rest): Python ints with sync=True, float64 on the device with sync=False, read
+        # only when asked.
+        self._tally: list[int] | Tensor = [0, 0, 0]
+        if not sync:
+            self._tally = torch.zeros(3, dtype=torch.float64, device=device)
+            self._skip_tally, self._clip_tally = self._tally[:_CLIPS], self._tally[_CLIPS]
+            # [1, flag]: the flag is a view, the found_inf of a fused optimizer
+            self._skip_pair = torch.tensor([1.0, 0.0], device=device)
+            self._flag = self._skip_pair[1]
+            if self._fused:
+                optimizer.found_inf = self._flag
         self._last: StepRecord | None = None
         self._recent: deque[Tensor] = deque(maxlen=5)  # statistics named by SkipLimitError
 
@@ -420,7 +447,7 @@ class StepGuard:
 
         .. note:: With ``sync=False`` the counters live on the device: one host read.
         """
-        counts = self._read_counts()
+        counts, _ = self._read_counts()
         return counts[_KEPT] + counts[_CLIPPED]
 
     @property
@@ -429,7 +456,7 @@ class StepGuard:
 
         .. note:: With ``sync=False`` the counters live on the device: one host read.
         """
-        return self._read_counts()[_CLIPPED]
+        return self._read_counts()[0][_CLIPPED]
 
     @property
     def skipped(self) -> int:
@@ -437,7 +464,7 @@ class StepGuard:
 
         .. note:: With ``sync=False`` the counters live on the device: one host read.
         """
-        return self._read_counts()[_SKIPPED]
+        return self._read_counts()[0][_SKIPPED]
 
     @property
     def num_steps(self) -> int:
@@ -477,7 +504,7 @@ class StepGuard:
             with torch.enable_grad():
                 closure_loss = closure()
             loss = closure_loss if loss is None else loss
-        params = self._params_with_grad()
+        params, grads = self._params_with_grad()
         if self._loss_threshold is not None and loss is None:
             raise ValueError("this guard has a loss_threshold: call guard.step(loss=loss)")
         scaler_state = self._scaler_state()
@@ -488,17 +515,23 @@ class StepGuard:
                 loss_t = torch.as_tensor(loss).detach()
                 if self._group is not None:
                     loss_t = _distributed.all_reduce_mean(loss_t, self._group)
-            stat, code = self._decide([p.grad for p in params], loss_t, found_inf)
+            on_device = None
             if self.mode == "none":
+                stat = self._statistic(grads)
                 output = self._take(closure)
                 decision: str | Tensor = "kept"
-            elif self.sync:
-                decision = DECISIONS[int(code.item())]  # the one host read of the step
-                output = None if decision == "skipped" else self._take(closure)
             else:
-                output = self._step_on_device(params, code, closure)
-                decision = code
-            self._book(stat, code, decision, loss_t)
+                stat, on_device = self._decide(grads, loss_t, found_inf)
+                if self.sync:
+                    # the one host read of the step
+                    decision = _decision_name(on_device, on_device.item())
+                    output = None if decision == "skipped" else self._take(closure)
+                    self._count(decision)
+                else:
+                    output = self._step_on_device(params, on_device, closure)
+                    decision = on_device
+            self._update_policies(stat, on_device, loss_t)
+            self._recent.append(stat)
         if scaler_state is not None:
             scaler_state["stage"] = OptState.STEPPED
         record = StepRecord(self._steps, stat, decision, output)
@@ -515,7 +548,7 @@ class StepGuard:
         """``optimizer.zero_grad(set_to_none)``."""
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
-    def _params_with_grad(self) -> list[Tensor]:
+    def _params_with_grad(self) -> tuple[list[Tensor], list[Tensor]]:
         params = [
             p
             for group in self._optimizer.param_groups
@@ -527,33 +560,37 @@ class StepGuard:
                 "StepGuard.step() found no gradient: no parameter of the optimizer has a "
                 ".grad. Call loss.backward() before guard.step()."
             )
-        if any(p.grad.layout != torch.strided for p in params):
+        grads = [p.grad for p in params]
+        if any(g.layout != torch.strided for g in grads):
             raise ValueError("StepGuard does not support sparse gradients: use dense ones")
-        return params
+        return params, grads
 
-    def _decide(
-        self, grads: list[Tensor], loss: Tensor | None, found_inf: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        """The statistic and the decision code (0 kept, 1 clipped, 2 skipped), on the device.
-
-        Pure tensor code, no host read (compiles with ``fullgraph=True``); in ``"clip"``
-        mode it clips the gradients, unconditionally.
-        """
-        stat = get_total_norm(
+    def _statistic(self, grads: list[Tensor]) -> Tensor:
+        return get_total_norm(
             grads,
             self.norm_type if self.by == "norm" else math.inf,
             process_group=self._norm_group,
         )
-        if self.mode == "none":
-            return stat, torch.zeros((), dtype=torch.int64, device=stat.device)
+
+    def _decide(
+        self, grads: list[Tensor], loss: Tensor | None, found_inf: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """The statistic and the decision, both 0-dim and on the device.
+
+        The decision is a boolean in ``"skip"`` mode (True: keep the step) and a code
+        in ``"clip"`` mode (0 kept, 1 clipped, 2 skipped), which also clips the
+        gradients, unconditionally. Pure tensor code, no host read (compiles with
+        ``fullgraph=True``).
+        """
+        stat = self._statistic(grads)
         threshold = self._threshold if self._policy is None else self._policy.threshold(stat)
         within = self._within(stat, threshold)
-        extra = []  # further reasons to skip
+        steppable = []  # further conditions for taking the step at all
         if self.mode == "clip":
-            _clip_(grads, stat, threshold, self.by)
-            extra.append(~torch.isfinite(stat))
+            self._clip(grads, stat, threshold)
+            steppable.append(torch.isfinite(stat))
             if self._skip_above is not None:
-                extra.append(~self._within(stat, self._skip_above))
+                steppable.append(self._within(stat, self._skip_above))
         # In "skip" mode a non-finite statistic already fails the test `within`.
         if loss is not None:
             limit = (
@@ -561,21 +598,17 @@ class StepGuard:
                 if self._loss_policy is None
                 else self._loss_policy.threshold(loss)
             )
-            extra.append(~(loss.double() <= _as_dtype(limit, torch.float64)))
+            steppable.append(loss.double() <= _as_dtype(limit, torch.float64))
         if found_inf is not None:
-            extra.append(found_inf > 0)
-        if self.mode == "skip" and not extra:
-            c = self._codes(stat.device)
-            return stat, self._agreed(torch.where(within, c.kept, c.skipped))
-        skip = extra[0]
-        for reason in extra[1:]:
-            skip = skip | reason
+            steppable.append(found_inf == 0)
         if self.mode == "skip":
-            skip = skip | ~within
-            c = self._codes(stat.device)
-            return stat, self._agreed(torch.where(skip, c.skipped, c.kept))
+            for condition in steppable:
+                within = within & condition
+            return stat, self._agreed(within)
         c = self._codes(stat.device)
-        code = torch.where(skip, c.skipped, torch.where(within, c.kept, c.clipped))
+        code = torch.where(within, c.kept, c.clipped)
+        for condition in steppable:
+            code = torch.where(condition, code, c.skipped)
         return stat, self._agreed(code)
 
     def _codes(self, device: torch.device) -> _Codes:
@@ -584,19 +617,30 @@ class StepGuard:
             codes = self._device_codes[device] = _Codes(device)
         return codes
 
-    def _agreed(self, code: Tensor) -> Tensor:
-        """``code``, or with a process group the largest code of its ranks."""
+    def _agreed(self, decision: Tensor) -> Tensor:
+        """``decision``, or with a process group the ranks' common one (skip wins)."""
         if self._group is None:
-            return code
-        return _distributed.all_reduce_decision(code, self._group)
+            return decision
+        if decision.dtype == torch.bool:
+            return _distributed.all_reduce_keep(decision, self._group)
+        return _distributed.all_reduce_decision(decision, self._group)
 
-    def _within(self, stat: Tensor, threshold: Any) -> Tensor:
-        """Whether ``stat`` is within ``threshold``; False for NaN, as in grad_ignore_norm_."""
+    def _within(self, stat: Tensor, threshold: _Fixed | Tensor) -> Tensor:
+        """Whether ``stat`` is within ``threshold`` (False for NaN).
+
+        The rule of grad_ignore_norm_ (torch's clip coefficient is at least 1) or of
+        grad_ignore_value_; for a fixed threshold, one comparison with the same result.
+        """
+        if isinstance(threshold, _Fixed):
+            return threshold.within(stat)
+        return (_keep_by_norm if self.by == "norm" else _keep_by_value)(threshold, stat)
+
+    def _clip(self, grads: list[Tensor], stat: Tensor, threshold: _Fixed | Tensor) -> None:
+        """Clip as clip_grad_norm_ or clip_grad_value_ would with this threshold."""
         if self.by == "norm":
-            dtype = stat.dtype
-            ratio = torch.div(_as_dtype(threshold, dtype), torch.add(stat, _as_dtype(_EPS, dtype)))
-            return torch.ge(ratio, _as_dtype(_ONE, dtype))
-        return stat.double() < _as_dtype(threshold, torch.float64)
+            _clip_(_groups(grads), _as_dtype(threshold, stat.dtype), stat, None)
+        else:
+            _clamp_(_groups(grads), _as_dtype(threshold, torch.float64), None)
 
     def _take(self, closure: Callable[[], Any] | None) -> Any:
         output = _call_step(self._optimizer, closure)
@@ -604,76 +648,98 @@ class StepGuard:
             self._scheduler.step()
         return output
 
-    def _step_on_device(self, params: list[Tensor], code: Tensor, closure: Any) -> Any:
-        """Step so that a skip leaves no trace, without reading ``code`` where possible."""
+    def _step_on_device(self, params: list[Tensor], decision: Tensor, closure: Any) -> Any:
+        """Step so that a skip leaves no trace, without reading ``decision`` where possible.
+
+        The decision is written into the skip flag (1.0: skip), which the fused kernels
+        read as ``found_inf`` and the device counters add; it is zeroed after the step
+        so that a later bare optimizer.step() is not skipped.
+        """
+        opt, flag = self._optimizer, self._flag
+        if decision.dtype == torch.bool:
+            torch.logical_not(decision, out=flag)
+        else:
+            torch.eq(decision, self._codes(decision.device).skipped, out=flag)
+        try:
+            if _has_step_hooks(opt):  # host code: it can only be skipped by not stepping
+                output = None if bool(flag) else _call_step(opt, closure)
+            elif self._transaction is not None:
+                keep = decision if decision.dtype == torch.bool else torch.eq(flag, 0)
+                output, _ = self._transaction.run(params, keep, lambda: _call_step(opt, closure))
+            else:
+                output = self._fused_step(params, closure)
+            # skipped += flag; consecutive = (consecutive + 1) * flag: one fused update
+            torch.addcmul(flag, self._skip_tally, self._skip_pair, out=self._skip_tally)
+            if decision.dtype != torch.bool:
+                self._clip_tally.add_(torch.eq(decision, self._codes(decision.device).clipped))
+        finally:
+            flag.zero_()
+        return output
+
+    def _fused_step(self, params: list[Tensor], closure: Any) -> Any:
+        """Step a fused optimizer, whose kernel skips when ``found_inf`` is nonzero.
+
+        ``found_inf`` (the attribute GradScaler sets) is the flag: one tensor written in
+        place, never a new attribute value, since an attribute assigned inside a
+        compiled region is lost.
+        """
         opt = self._optimizer
-        if _has_step_hooks(opt):  # host code: it can only be skipped by not stepping
-            return None if int(code) == _SKIPPED else _call_step(opt, closure)
-        if self._transaction is not None:
-            keep = torch.ne(code, self._codes(code.device).skipped)
-            output, _ = self._transaction.run(params, keep, lambda: _call_step(opt, closure))
-            return output
-        # The fused kernel skips when its found_inf flag (the attribute GradScaler sets) is
-        # nonzero. The flag is one tensor written in place, never a new attribute value:
-        # an attribute assigned inside a compiled region is lost. It is zeroed after the
-        # step so that a later bare optimizer.step() is not skipped.
         if getattr(opt, "found_inf", None) is not self._flag:
             opt.found_inf = self._flag
-        torch.eq(code, self._codes(code.device).skipped, out=self._flag)
         # opt.state is a defaultdict: an entry read before the first step is empty.
         fresh = [p for p in params if not opt.state.get(p)]
-        try:
-            output = _call_step(opt, closure)
-        finally:
-            self._flag.zero_()
+        output = _call_step(opt, closure)
         created = [p for p in fresh if opt.state.get(p)]
         # A new state entry (the first step) cannot be undone on the device: read once.
-        if created and int(code) == _SKIPPED:
+        if created and bool(self._flag):
             for p in created:
                 del opt.state[p]
         return output
 
-    def _book(
-        self, stat: Tensor, code: Tensor, decision: str | Tensor, loss: Tensor | None
-    ) -> None:
-        """Update the counters and the policies after a completed step."""
-        if self._policy is not None or self._loss_policy is not None:
-            accepted = torch.ne(code, self._codes(code.device).skipped)
-            if self._policy is not None:
-                self._policy.update(stat, accepted)
-            if self._loss_policy is not None and loss is not None:
-                self._loss_policy.update(loss, accepted)
-        self._recent.append(stat)
-        if self.sync:
-            index = DECISIONS.index(decision)  # type: ignore[arg-type]
-            self._counts[index] += 1  # type: ignore[index]
-            self._consecutive = self._consecutive + 1 if index == _SKIPPED else 0
+    def _update_policies(self, stat: Tensor, decision: Tensor | None, loss: Tensor | None) -> None:
+        """Fold a completed step into the policies (``decision`` None: always taken)."""
+        if self._policy is None and self._loss_policy is None:
             return
-        if not isinstance(self._counts, Tensor):
-            self._counts = torch.tensor(self._counts, dtype=torch.int64, device=code.device)
-            self._consecutive = torch.tensor(
-                self._consecutive, dtype=torch.int64, device=code.device
-            )
-            self._one = torch.ones(1, dtype=torch.int64, device=code.device)
-        self._counts.index_add_(0, code.view(1), self._one)
-        # code >> 1 is 1 for _SKIPPED, else 0 (the clipped code is the 1 to shift by): an
-        # int64, so that one fused update follows
-        skipped = torch.bitwise_right_shift(code, self._codes(code.device).clipped)
-        torch.addcmul(skipped, self._consecutive, skipped, out=self._consecutive)
+        if decision is None:
+            accepted: Tensor | bool = True
+        elif decision.dtype == torch.bool:
+            accepted = decision
+        else:
+            accepted = torch.ne(decision, self._codes(decision.device).skipped)
+        if self._policy is not None:
+            self._policy.update(stat, accepted)
+        if self._loss_policy is not None and loss is not None:
+            self._loss_policy.update(loss, accepted)
 
-    def _read_counts(self) -> list[int]:
-        return self._counts.tolist() if isinstance(self._counts, Tensor) else list(self._counts)
+    def _count(self, decision: str) -> None:
+        """Update the host counters (sync=True) after a completed step."""
+        tally = self._tally
+        if decision == "skipped":
+            tally[_SKIPS] += 1
+            tally[_RUN] += 1
+            return
+        tally[_RUN] = 0
+        if decision == "clipped":
+            tally[_CLIPS] += 1
 
-    def _read_consecutive(self) -> int:
-        return int(self._consecutive)
+    def _read_tally(self) -> list[int]:
+        """[skipped, consecutive skips, clipped]: one host read with sync=False."""
+        if isinstance(self._tally, Tensor):
+            return [int(v) for v in self._tally.tolist()]
+        return list(self._tally)
+
+    def _read_counts(self) -> tuple[list[int], int]:
+        """[kept, clipped, skipped] and the current run of skips (one host read, sync=False)."""
+        skipped, run, clipped = self._read_tally()
+        return [self._steps - skipped - clipped, clipped, skipped], run
 
     def _check_skip_limit(self) -> None:
         limit = self.max_consecutive_skips
         if limit is None:
             return
-        if isinstance(self._consecutive, Tensor) and self._steps % limit:
+        if not self.sync and self._steps % limit:
             return  # sync=False: checked (one host read) every `limit` steps only
-        run = self._read_consecutive()
+        run = int(self._tally[_RUN])
         if run < limit:
             return
         recent = ", ".join(f"{float(v):.4g}" for v in self._recent)
@@ -716,10 +782,11 @@ class StepGuard:
 
         .. note:: With ``sync=False`` this reads the device counters on the host.
         """
+        counts, run = self._read_counts()
         return {
             "num_steps": self._steps,
-            "counts": self._read_counts(),
-            "consecutive_skips": self._read_consecutive(),
+            "counts": counts,
+            "consecutive_skips": run,
             "threshold": None if self._policy is None else self._policy.state_dict(),
             "loss_threshold": None if self._loss_policy is None else self._loss_policy.state_dict(),
         }
@@ -738,6 +805,12 @@ class StepGuard:
                 f"{got}. (StepGuard.state_dict() holds only the guard's own state; load the "
                 "optimizer's with optimizer.load_state_dict.)"
             )
+        steps, counts = int(state_dict["num_steps"]), [int(n) for n in state_dict["counts"]]
+        if len(counts) != len(DECISIONS) or sum(counts) != steps:
+            raise ValueError(
+                f"state_dict: counts {counts} must be {len(DECISIONS)} numbers (kept, "
+                f"clipped, skipped) that add up to num_steps={steps}"
+            )
         for name, policy in (("threshold", self._policy), ("loss_threshold", self._loss_policy)):
             if (state_dict[name] is None) != (policy is None):
                 raise ValueError(
@@ -745,15 +818,15 @@ class StepGuard:
                     f"{'out' if state_dict[name] is None else ''} a policy, this guard has "
                     f"{'none' if policy is None else 'one'}"
                 )
+        for name, policy in (("threshold", self._policy), ("loss_threshold", self._loss_policy)):
             if policy is not None:
                 policy.load_state_dict(state_dict[name])
-        counts, consecutive = list(state_dict["counts"]), int(state_dict["consecutive_skips"])
-        if isinstance(self._counts, Tensor):
-            self._counts.copy_(torch.tensor(counts))
-            self._consecutive.fill_(consecutive)  # type: ignore[union-attr]
+        tally = [counts[_SKIPPED], int(state_dict["consecutive_skips"]), counts[_CLIPPED]]
+        if isinstance(self._tally, Tensor):
+            self._tally.copy_(torch.tensor(tally, dtype=torch.float64))
         else:
-            self._counts, self._consecutive = counts, consecutive
-        self._steps = int(state_dict["num_steps"])
+            self._tally = tally
+        self._steps = steps
 
 
 # ------------------------------------------------------------------------- helpers
@@ -790,28 +863,75 @@ class _Fixed:
 
     Tensors rather than a Python float so that a compiled decision neither specialises
     nor recompiles on the value; one per dtype so that no conversion runs per step.
+    Given the ``rule`` that keeps a statistic within a threshold, it also holds, per
+    dtype, the largest statistic the rule keeps (:func:`_largest_kept`), so that the
+    test of a step is one comparison, ``stat <= kept_up_to``, with the rule's bits.
     """
 
-    def __init__(self, value: float) -> None:
+    def __init__(self, value: float, rule: Callable[[Tensor, Tensor], Tensor] | None = None):
         self.value = value
         self.f32 = torch.tensor(value, dtype=torch.float32)
         self.f64 = torch.tensor(value, dtype=torch.float64)
+        self._rule = rule
+        if rule is not None:
+            self.kept_up_to32 = _largest_kept(self._keeps, torch.float32)
+            self.kept_up_to64 = _largest_kept(self._keeps, torch.float64)
 
     def fill_(self, value: float) -> None:
         self.value = value
         self.f32.fill_(value)
         self.f64.fill_(value)
+        if self._rule is not None:
+            self.kept_up_to32.copy_(_largest_kept(self._keeps, torch.float32))
+            self.kept_up_to64.copy_(_largest_kept(self._keeps, torch.float64))
+
+    def _keeps(self, stat: Tensor) -> Tensor:
+        # The float64 value: the rule rounds it to the statistic's dtype where it must.
+        return self._rule(self.f64, stat)  # type: ignore[misc]
+
+    def within(self, stat: Tensor) -> Tensor:
+        """Whether the rule keeps ``stat``, a 0-dim tensor (False for NaN)."""
+        if stat.dtype == torch.float32:
+            return torch.le(stat, self.kept_up_to32)
+        if stat.dtype == torch.float64:
+            return torch.le(stat, self.kept_up_to64)
+        return self._keeps(stat)
 
 
-#: The constants of the norm rule, as tensors for the reason _Codes gives.
-_EPS, _ONE = _Fixed(EPS), _Fixed(1.0)
+#: Probes per round of :func:`_largest_kept`, spaced so that none overflows an int64.
+_PROBES = 1024
+
+
+def _largest_kept(kept: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Tensor:
+    """The largest ``dtype`` number that ``kept`` keeps, as a 0-dim tensor (-inf if none).
+
+    ``kept`` maps a 1-D tensor of statistics to booleans and must be monotone: true up
+    to some value, then false, and false for NaN. The guard's rules are: a rounding
+    never reverses an order, so ``reciprocal(s + eps) * tau`` cannot grow with ``s``.
+    Non-negative floats are ordered as their bit patterns, so this narrows the
+    patterns from 0.0 to inf about 1023-fold a round (4 rounds for float32, 7 for
+    float64), with tensor ops only: setting a threshold makes no host read.
+    """
+    bits = _SAME_WIDTH_INT[dtype.itemsize]
+    lo = torch.zeros((), dtype=torch.int64)  # kept, if 0.0 is
+    hi = torch.tensor(math.inf, dtype=dtype).view(bits).to(torch.int64)  # none above
+    offsets = torch.arange(_PROBES, dtype=torch.int64)
+    for _ in range(-(-(8 * dtype.itemsize - 1) // 10)):  # 1023 ** rounds > 2 ** (bits-1)
+        step = (hi - lo + _PROBES - 2) // (_PROBES - 1)  # ceil((hi - lo) / 1023)
+        probes = torch.minimum(lo + step * offsets, hi)
+        n_kept = kept(probes.to(bits).view(dtype)).sum()  # the first n_kept probes are
+        above = torch.clamp(n_kept, max=_PROBES - 1).reshape(1)
+        hi = torch.where(n_kept < _PROBES, probes.index_select(0, above)[0] - 1, hi)
+        lo = probes.index_select(0, torch.clamp(n_kept - 1, min=0).reshape(1))[0]
+    largest = lo.to(bits).view(dtype)
+    return torch.where(kept(torch.zeros(1, dtype=dtype))[0], largest, -math.inf)
 
 
 class _Codes:
     """The decision codes as 0-dim int64 tensors on one device, made once.
 
     A Python number in a tensor op becomes a new wrapped-scalar tensor on every call,
-    which costs several microseconds on the CPU: a step makes a dozen such ops.
+    which costs several microseconds on the CPU, in every op of every step.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -838,22 +958,6 @@ def _sum_found_inf(state: dict[str, Any], params: list[Tensor]) -> Tensor:
         if found
         else torch.zeros((), device=device)
     )
-
-
-def _clip_(grads: list[Tensor], stat: Tensor, threshold: _Fixed | Tensor, by: str) -> None:
-    """Clip in place like torch.nn.utils, with the same roundings of the threshold."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    if by == "norm":
-        coef = torch.clamp(_as_dtype(threshold, stat.dtype) / (stat + EPS), max=1.0)
-        for (device, _), group in groups.items():
-            torch._foreach_mul_(group, coef.to(device))
-        return
-    for (device, dtype), group in groups.items():
-        high = _as_dtype(threshold, torch.float64).to(device, dtype)
-        for g in group:
-            torch.clamp_(g, min=-high, max=high)
 
 
 def _call_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:

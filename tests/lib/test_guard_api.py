@@ -56,12 +56,13 @@ def test_ignore_is_a_deprecated_alias_of_skip():
 # --------------------------------------------------------------- counters, records
 
 
+@pytest.mark.parametrize("make", [_adamw, _adamw_fused], ids=["snapshot", "fused"])
 @pytest.mark.parametrize("sync", [True, False])
-def test_counters_last_history_and_callback(sync):
+def test_counters_last_history_and_callback(sync, make):
     model = _model()
     seen = []
     guard = StepGuard(
-        _adamw(model.parameters()),
+        make(model.parameters()),
         "clip",
         threshold=2.0,
         sync=sync,
@@ -295,6 +296,9 @@ def test_clear_errors():
         StepGuard(opt).load_state_dict(opt.state_dict())
     with pytest.raises(ValueError, match="not a StepGuard state dict"):
         StepGuard(opt).load_state_dict({"history": []})
+    saved = StepGuard(opt).state_dict() | {"num_steps": 3}
+    with pytest.raises(ValueError, match=r"counts \[0, 0, 0\] .* add up to num_steps=3"):
+        StepGuard(opt).load_state_dict(saved)
 
     class _Sched:
         def step(self):
@@ -369,15 +373,15 @@ def test_decision_compiles_with_fullgraph_and_no_recompile_per_threshold(inducto
     backend = _Backend(inductor)
     torch._dynamo.reset()
     decide = torch.compile(guard._decide, fullgraph=True, backend=backend)
-    codes = []
+    decisions = []
     for factor in (2.0, 0.5, 3.0):
         guard.threshold = norm * factor
         grads = [p.grad.clone() for p in model.parameters()]
-        stat, code = decide(grads, None, None)
+        stat, decision = decide(grads, None, None)
         assert stat.item() == pytest.approx(norm, rel=1e-5)
-        codes.append(int(code))
-    over = 2 if mode == "skip" else 1
-    assert codes == [0, over, 0]
+        decisions.append(StepRecord(0, stat, decision).decision)
+    over = "skipped" if mode == "skip" else "clipped"
+    assert decisions == ["kept", over, "kept"]
     assert backend.graphs == 1
     torch._dynamo.reset()
 
@@ -410,3 +414,16 @@ def test_compiled_step_keeps_the_fused_skip():
         for name in sa[k]:
             assert torch.equal(sa[k][name], sb[k][name])
     assert opt.found_inf.item() == 0.0  # a later bare optimizer.step() is not skipped
+
+
+def test_a_failing_skipped_step_is_not_counted_either():
+    """sync=False steps a skipped step too (and restores it): if that step raises, the
+    device counters stay as they were, and so does the skip flag."""
+    model = _model()
+    guard = StepGuard(_Failing(model.parameters(), lr=0.1), threshold=0.0, sync=False)
+    _loss(model, _batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        guard.step()
+    assert (guard.num_steps, guard.skipped, guard.taken) == (0, 0, 0)
+    assert guard.state_dict()["consecutive_skips"] == 0
+    assert guard._flag.item() == 0.0

@@ -652,3 +652,82 @@ def test_device_select_is_bit_exact(dtype, keep):
                 view.contiguous().view(bits[size]), target.contiguous().view(bits[size])
             )
         live.copy_(new)
+
+
+# ------------------------------------------------- fixed thresholds: one comparison
+
+_EDGE_THRESHOLDS = [
+    0.0,
+    1e-45,
+    1e-6,
+    math.nextafter(1e-6, 0.0),
+    math.nextafter(1e-6, 1.0),
+    1.0000001e-6,
+    2e-6,
+    0.5,
+    1.0,
+    3.7,
+    65504.0,
+    1e9,
+    3.4e38,
+    1e39,
+    1e300,
+    math.inf,
+]
+_RANDOM_THRESHOLDS = (10.0 ** torch.empty(40, dtype=torch.float64).uniform_(-9, 30)).tolist()
+
+
+def _neighbours(x: torch.Tensor, n: int = 3) -> torch.Tensor:
+    """``x`` and the ``n`` representable numbers on each side of it, in x's dtype."""
+    out, up, down = [x], x, x
+    for _ in range(n):
+        up, down = (
+            torch.nextafter(up, up.new_tensor(math.inf)),
+            torch.nextafter(down, down.new_tensor(-math.inf)),
+        )
+        out += [up, down]
+    return torch.stack(out)
+
+
+def _torch_keeps(threshold: float, stat: torch.Tensor) -> bool:
+    """Whether torch.nn.utils.clip_grads_with_norm_ leaves a gradient of ones unchanged."""
+    p = torch.zeros(1, dtype=stat.dtype, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    torch.nn.utils.clip_grads_with_norm_([p], threshold, stat)
+    return bool(p.grad.eq(1).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("by", ["norm", "value"])
+def test_fixed_threshold_decides_as_the_rule_at_every_edge(by, dtype):
+    """A fixed threshold is tested as ``stat <= largest kept``: the same decisions as
+    torch's clip coefficient (norm) and an exact float64 comparison (value), on the
+    representable numbers around the boundary and the threshold, NaN and inf."""
+    opt = _sgd([nn.Parameter(torch.zeros(1, dtype=dtype))])
+    for threshold in _EDGE_THRESHOLDS + _RANDOM_THRESHOLDS:
+        guard = StepGuard(opt, by=by, threshold=threshold)
+        bound = guard._threshold.kept_up_to32 if dtype == torch.float32 else None
+        bound = guard._threshold.kept_up_to64 if bound is None else bound
+        near = torch.tensor([threshold, max(threshold - 1e-6, 0.0)], dtype=dtype)
+        specials = torch.tensor([0.0, math.inf, math.nan], dtype=dtype)
+        stats = torch.cat(
+            [_neighbours(bound.clamp(min=0).reshape(1))[:, 0], _neighbours(near).flatten()]
+        )
+        for stat in torch.cat([stats.abs(), specials]):
+            expected = (
+                _torch_keeps(threshold, stat) if by == "norm" else bool(float(stat) < threshold)
+            )
+            assert bool(guard._within(stat, guard._threshold)) is expected, (threshold, stat)
+
+
+def test_setting_a_threshold_reads_nothing_and_decides_anew():
+    model = _model()
+    _backward(model, _batches(1)[0])
+    norm = torch.cat([p.grad.flatten() for p in model.parameters()]).double().norm().item()
+    guard = StepGuard(_sgd(model.parameters()), threshold=1.0, sync=False)
+    with HostReadCounter() as reads:
+        guard.threshold = norm * 2
+    assert reads.count == 0, reads.operations
+    assert guard.step().decision == "kept"
+    guard.threshold = norm / 2
+    assert guard.step().decision == "skipped"
