@@ -41,11 +41,16 @@ def make_model(widths: tuple[int, ...]) -> nn.Module:
 
 
 def guard_bytes(guard: gradlab.StepGuard) -> int:
-    """Bytes of the tensors the guard holds itself (flag, counters, snapshot buffers)."""
+    """Bytes of the tensors the guard holds itself: counters, flag, thresholds and
+    decision codes, snapshot buffers; a storage shared by views counted once."""
     held = [v for v in vars(guard).values() if isinstance(v, Tensor)]
+    held += [v for v in vars(guard._threshold).values() if isinstance(v, Tensor)]
+    for codes in guard._device_codes.values():
+        held += vars(codes).values()
     if guard._transaction is not None:
         held += guard._transaction.buffers
-    return sum(t.numel() * t.element_size() for t in held)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    return sum(storages.values())
 
 
 def reads_after_first(step, n: int = 5) -> int:
@@ -96,7 +101,7 @@ def bench_size(
         "guard sync=False (fused)": nosync.step,
         "norm + 1 read + step (fused)": norm_read_step,
         "guard sync=True (fused)": sync.step,
-        "norm + step (AdamW foreach)": plain_norm_step,
+        "norm + step (AdamW, for-loop)": plain_norm_step,
         "guard sync=False (snapshot)": snapshot.step,
     }
     reads = {name: reads_after_first(fn) for name, fn in calls.items()}
@@ -104,7 +109,7 @@ def bench_size(
     baseline = {
         "guard sync=False (fused)": "norm + step (fused AdamW)",
         "guard sync=True (fused)": "norm + 1 read + step (fused)",
-        "guard sync=False (snapshot)": "norm + step (AdamW foreach)",
+        "guard sync=False (snapshot)": "norm + step (AdamW, for-loop)",
     }
     held = {
         "guard sync=False (fused)": guard_bytes(nosync),
