@@ -1,7 +1,7 @@
 """The stored loss-spike experiment reproduces: its corpus, a prefix of a run, the files.
 
 ``book/adaptive/data/spikes_*`` are written by ``experiments/char_lm_spikes.py``
-(about six minutes on two cores; a quarter of an hour when the machine is
+(about four minutes on two cores; a quarter of an hour when the machine is
 busier). Here a few seconds rerun the first ``PREFIX`` steps
 of stored runs and compare every stored number. The losses (five significant digits)
 and gradient norms (four) must agree to ``RTOL`` and one unit of their last stored
