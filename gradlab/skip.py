@@ -360,17 +360,19 @@ class StepGuard:
         self.sync = sync
         # Fixed thresholds are 0-dim tensors so that a compiled decision does not
         # specialise (and recompile) on their value.
+        device = optimizer.param_groups[0]["params"][0].device
         rule = _keep_by_norm if by == "norm" else _keep_by_value
         self._policy, number = _threshold_arg("threshold", threshold)
-        self._threshold = _Fixed(number, rule)
+        # a policy's guard holds an unused fixed threshold: inf, inverted once
+        self._threshold = _Fixed(math.inf if self._policy is not None else number, rule, device)
         self._loss_policy, self._loss_threshold = None, None
         if loss_threshold is not None:
             self._loss_policy, number = _threshold_arg("loss_threshold", loss_threshold)
-            self._loss_threshold = _Fixed(number)
+            self._loss_threshold = _Fixed(number, device=device)
         self._skip_above = None
         if skip_above is not None:
             number = _threshold_arg("skip_above", skip_above, policy=False)[1]
-            self._skip_above = _Fixed(number, rule)
+            self._skip_above = _Fixed(number, rule, device)
         if scheduler is not None:
             _check_scheduler(scheduler, optimizer, sync)
         self._scheduler = scheduler
@@ -382,7 +384,6 @@ class StepGuard:
         self._norm_group = process_group if grads == "sharded" else None
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._transaction = None if self._fused else Transaction(optimizer)
-        device = optimizer.param_groups[0]["params"][0].device
         self._device_codes = {device: _Codes(device)}
         self._steps = 0
         # Skipped steps, the current run of skips and clipped steps (kept ones are the
@@ -423,7 +424,8 @@ class StepGuard:
     @threshold.setter
     def threshold(self, value: float | ThresholdPolicy) -> None:
         self._policy, number = _threshold_arg("threshold", value)
-        self._threshold.fill_(number)
+        if self._policy is None:
+            self._threshold.fill_(number)
 
     @property
     def last(self) -> StepRecord | None:
@@ -515,10 +517,11 @@ class StepGuard:
                 loss_t = torch.as_tensor(loss).detach()
                 if self._group is not None:
                     loss_t = _distributed.all_reduce_mean(loss_t, self._group)
-            on_device = None
+            # The policies, then the counters, only after a completed step.
             if self.mode == "none":
                 stat = self._statistic(grads)
                 output = self._take(closure)
+                self._update_policies(stat, None, loss_t)
                 decision: str | Tensor = "kept"
             else:
                 stat, on_device = self._decide(grads, loss_t, found_inf)
@@ -526,11 +529,17 @@ class StepGuard:
                     # the one host read of the step
                     decision = _decision_name(on_device, on_device.item())
                     output = None if decision == "skipped" else self._take(closure)
+                    self._update_policies(stat, on_device, loss_t)
                     self._count(decision)
                 else:
-                    output = self._step_on_device(params, on_device, closure)
+                    try:
+                        output = self._step_on_device(params, on_device, closure)
+                        self._update_policies(stat, on_device, loss_t)
+                        self._count_on_device(on_device)
+                    finally:
+                        # so that a later bare optimizer.step() is not skipped
+                        self._flag.zero_()
                     decision = on_device
-            self._update_policies(stat, on_device, loss_t)
             self._recent.append(stat)
         if scaler_state is not None:
             scaler_state["stage"] = OptState.STEPPED
@@ -652,29 +661,27 @@ class StepGuard:
         """Step so that a skip leaves no trace, without reading ``decision`` where possible.
 
         The decision is written into the skip flag (1.0: skip), which the fused kernels
-        read as ``found_inf`` and the device counters add; it is zeroed after the step
-        so that a later bare optimizer.step() is not skipped.
+        read as ``found_inf`` and the device counters add; the caller zeroes it.
         """
         opt, flag = self._optimizer, self._flag
         if decision.dtype == torch.bool:
             torch.logical_not(decision, out=flag)
         else:
             torch.eq(decision, self._codes(decision.device).skipped, out=flag)
-        try:
-            if _has_step_hooks(opt):  # host code: it can only be skipped by not stepping
-                output = None if bool(flag) else _call_step(opt, closure)
-            elif self._transaction is not None:
-                keep = decision if decision.dtype == torch.bool else torch.eq(flag, 0)
-                output, _ = self._transaction.run(params, keep, lambda: _call_step(opt, closure))
-            else:
-                output = self._fused_step(params, closure)
-            # skipped += flag; consecutive = (consecutive + 1) * flag: one fused update
-            torch.addcmul(flag, self._skip_tally, self._skip_pair, out=self._skip_tally)
-            if decision.dtype != torch.bool:
-                self._clip_tally.add_(torch.eq(decision, self._codes(decision.device).clipped))
-        finally:
-            flag.zero_()
-        return output
+        if _has_step_hooks(opt):  # host code: it can only be skipped by not stepping
+            return None if bool(flag) else _call_step(opt, closure)
+        if self._transaction is not None:
+            keep = decision if decision.dtype == torch.bool else torch.eq(flag, 0)
+            output, _ = self._transaction.run(params, keep, lambda: _call_step(opt, closure))
+            return output
+        return self._fused_step(params, closure)
+
+    def _count_on_device(self, decision: Tensor) -> None:
+        """Update the device counters (sync=False) from the skip flag, still set."""
+        # skipped += flag; consecutive = (consecutive + 1) * flag: one fused update
+        torch.addcmul(self._flag, self._skip_tally, self._skip_pair, out=self._skip_tally)
+        if decision.dtype != torch.bool:
+            self._clip_tally.add_(torch.eq(decision, self._codes(decision.device).clipped))
 
     def _fused_step(self, params: list[Tensor], closure: Any) -> Any:
         """Step a fused optimizer, whose kernel skips when ``found_inf`` is nonzero.
@@ -701,7 +708,7 @@ class StepGuard:
         if self._policy is None and self._loss_policy is None:
             return
         if decision is None:
-            accepted: Tensor | bool = True
+            accepted = self._codes(stat.device).true
         elif decision.dtype == torch.bool:
             accepted = decision
         else:
@@ -862,28 +869,39 @@ class _Fixed:
     """A fixed threshold as 0-dim float32 and float64 tensors, refilled in place.
 
     Tensors rather than a Python float so that a compiled decision neither specialises
-    nor recompiles on the value; one per dtype so that no conversion runs per step.
-    Given the ``rule`` that keeps a statistic within a threshold, it also holds, per
-    dtype, the largest statistic the rule keeps (:func:`_largest_kept`), so that the
-    test of a step is one comparison, ``stat <= kept_up_to``, with the rule's bits.
+    nor recompiles on the value; one per dtype so that no conversion runs per step; on
+    the guard's device so that no step copies one there (a copy from the host waits for
+    the GPU). Given the ``rule`` that keeps a statistic within a threshold, it also
+    holds, per dtype, the largest statistic the rule keeps (:func:`_largest_kept`), so
+    that the test of a step is one comparison, ``stat <= kept_up_to``, with the rule's
+    bits. Inverting the rule costs a few hundred small tensor ops, on the device, at
+    each new value: a threshold that changes every step is a :class:`ThresholdPolicy`.
     """
 
-    def __init__(self, value: float, rule: Callable[[Tensor, Tensor], Tensor] | None = None):
+    def __init__(
+        self,
+        value: float,
+        rule: Callable[[Tensor, Tensor], Tensor] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.value = value
-        self.f32 = torch.tensor(value, dtype=torch.float32)
-        self.f64 = torch.tensor(value, dtype=torch.float64)
+        self.f32 = torch.tensor(value, dtype=torch.float32, device=device)
+        self.f64 = torch.tensor(value, dtype=torch.float64, device=device)
         self._rule = rule
         if rule is not None:
-            self.kept_up_to32 = _largest_kept(self._keeps, torch.float32)
-            self.kept_up_to64 = _largest_kept(self._keeps, torch.float64)
+            self.kept_up_to32 = _largest_kept(self._keeps, torch.float32, device)
+            self.kept_up_to64 = _largest_kept(self._keeps, torch.float64, device)
 
     def fill_(self, value: float) -> None:
+        if value == self.value:
+            return
         self.value = value
         self.f32.fill_(value)
         self.f64.fill_(value)
         if self._rule is not None:
-            self.kept_up_to32.copy_(_largest_kept(self._keeps, torch.float32))
-            self.kept_up_to64.copy_(_largest_kept(self._keeps, torch.float64))
+            device = self.f64.device
+            self.kept_up_to32.copy_(_largest_kept(self._keeps, torch.float32, device))
+            self.kept_up_to64.copy_(_largest_kept(self._keeps, torch.float64, device))
 
     def _keeps(self, stat: Tensor) -> Tensor:
         # The float64 value: the rule rounds it to the statistic's dtype where it must.
@@ -902,7 +920,9 @@ class _Fixed:
 _PROBES = 1024
 
 
-def _largest_kept(kept: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Tensor:
+def _largest_kept(
+    kept: Callable[[Tensor], Tensor], dtype: torch.dtype, device: torch.device | None = None
+) -> Tensor:
     """The largest ``dtype`` number that ``kept`` keeps, as a 0-dim tensor (-inf if none).
 
     ``kept`` maps a 1-D tensor of statistics to booleans and must be monotone: true up
@@ -913,9 +933,10 @@ def _largest_kept(kept: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Tenso
     float64), with tensor ops only: setting a threshold makes no host read.
     """
     bits = _SAME_WIDTH_INT[dtype.itemsize]
-    lo = torch.zeros((), dtype=torch.int64)  # kept, if 0.0 is
-    hi = torch.tensor(math.inf, dtype=dtype).view(bits).to(torch.int64)  # none above
-    offsets = torch.arange(_PROBES, dtype=torch.int64)
+    lo = torch.zeros((), dtype=torch.int64, device=device)  # kept, if 0.0 is
+    # torch.full, not torch.tensor: no copy from the host (which would wait for a GPU)
+    hi = torch.full((), math.inf, dtype=dtype, device=device).view(bits).to(torch.int64)
+    offsets = torch.arange(_PROBES, dtype=torch.int64, device=device)
     for _ in range(-(-(8 * dtype.itemsize - 1) // 10)):  # 1023 ** rounds > 2 ** (bits-1)
         step = (hi - lo + _PROBES - 2) // (_PROBES - 1)  # ceil((hi - lo) / 1023)
         probes = torch.minimum(lo + step * offsets, hi)
@@ -924,14 +945,15 @@ def _largest_kept(kept: Callable[[Tensor], Tensor], dtype: torch.dtype) -> Tenso
         hi = torch.where(n_kept < _PROBES, probes.index_select(0, above)[0] - 1, hi)
         lo = probes.index_select(0, torch.clamp(n_kept - 1, min=0).reshape(1))[0]
     largest = lo.to(bits).view(dtype)
-    return torch.where(kept(torch.zeros(1, dtype=dtype))[0], largest, -math.inf)
+    return torch.where(kept(torch.zeros(1, dtype=dtype, device=device))[0], largest, -math.inf)
 
 
 class _Codes:
-    """The decision codes as 0-dim int64 tensors on one device, made once.
+    """The decision codes as 0-dim int64 tensors on one device, made once, and True.
 
     A Python number in a tensor op becomes a new wrapped-scalar tensor on every call,
-    which costs several microseconds on the CPU, in every op of every step.
+    which costs several microseconds on the CPU, in every op of every step (and a
+    Python bool made a tensor is a copy from the host, which waits for a GPU).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -939,6 +961,7 @@ class _Codes:
             torch.tensor(code, dtype=torch.int64, device=device)
             for code in (_KEPT, _CLIPPED, _SKIPPED)
         )
+        self.true = torch.ones((), dtype=torch.bool, device=device)
 
 
 def _as_dtype(threshold: _Fixed | Tensor, dtype: torch.dtype) -> Tensor:

@@ -253,3 +253,19 @@ def test_replay_decides_as_step_guard_does(traces, make, mode):
         decisions.append(guard.step().decision != "kept")
     assert adaptive.replay(make(), norms, mode)["acted"].tolist() == decisions
     assert decisions[40]  # the NaN step is never kept
+
+
+def test_replay_decides_as_step_guard_does_on_a_tie():
+    """A constant trace puts AutoClip's threshold exactly on the norm, where the
+    rounding of the rule decides: replay() must round as the guard does."""
+    from gradlab.skip import StepGuard
+
+    norms = np.full(30, 41.0, dtype=np.float32)
+    p = torch.zeros(1)
+    guard = StepGuard(torch.optim.SGD([p], lr=0.0), mode="clip", threshold=AutoClip(0.9, 20))
+    decisions = []
+    for x in norms:
+        p.grad = torch.tensor([float(x)])
+        decisions.append(guard.step().decision != "kept")
+    assert adaptive.replay(AutoClip(0.9, 20), norms, "clip")["acted"].tolist() == decisions
+    assert sum(decisions) > 0  # the tie is clipped, as torch's clip_grad_norm_ would

@@ -109,3 +109,21 @@ def test_mixed_devices():
     assert math.isclose(float(total), float(flat.norm()), rel_tol=1e-5)
     gradlab.grad_ignore_value_(params, 3.5)
     assert_all_plus_zero(params)
+
+
+@pytest.mark.parametrize("mode", ["skip", "clip"])
+@pytest.mark.parametrize("by", ["norm", "value"])
+@pytest.mark.parametrize("threshold", [1e-3, 1e6], ids=["over", "within"])
+def test_guard_step_and_threshold_do_not_sync(mode, by, threshold):
+    """sync=False on fused AdamW: after the first step (which creates the state and
+    reads once), neither a step nor setting the threshold waits for the GPU."""
+    params = cuda_params(SIZES[:3])
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    guard = gradlab.StepGuard(optimizer, mode=mode, by=by, threshold=1e6, sync=False)
+    guard.step()
+    with sync_is_an_error():
+        guard.threshold = threshold
+        for _ in range(3):
+            guard.step()
+    torch.cuda.synchronize()
+    assert guard.num_steps == 4

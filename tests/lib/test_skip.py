@@ -674,7 +674,12 @@ _EDGE_THRESHOLDS = [
     1e300,
     math.inf,
 ]
-_RANDOM_THRESHOLDS = (10.0 ** torch.empty(40, dtype=torch.float64).uniform_(-9, 30)).tolist()
+_RANDOM_THRESHOLDS = (
+    10.0
+    ** torch.empty(40, dtype=torch.float64).uniform_(
+        -9, 30, generator=torch.Generator().manual_seed(7)
+    )
+).tolist()
 
 
 def _neighbours(x: torch.Tensor, n: int = 3) -> torch.Tensor:

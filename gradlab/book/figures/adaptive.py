@@ -42,6 +42,7 @@ from gradlab.adaptive import AutoClip, SigmaSkip, ZClip, agc_
 from gradlab.book import demos
 from gradlab.book.figures import training
 from gradlab.book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
+from gradlab.clip import _keep_by_norm
 
 __all__ = [
     "DATA_PATH",
@@ -183,9 +184,10 @@ def replay(
     """Run ``policy`` over a norm trace as ``StepGuard(mode=mode, threshold=policy)`` does.
 
     At each step: ``tau = policy.threshold(x)``; the step is *within* when
-    ``tau / (x + 1e-6) >= 1`` (the test of :func:`gradlab.grad_ignore_norm_`, False for
-    NaN). In ``"clip"`` mode a step that is not within is clipped and still accepted
-    unless ``x`` is not finite (then it is skipped); in ``"skip"`` mode it is skipped.
+    ``tau / (x + 1e-6) >= 1``, rounded as torch rounds its clip coefficient (the test
+    of :func:`gradlab.grad_ignore_norm_` and of the guard, called here; False for NaN).
+    In ``"clip"`` mode a step that is not within is clipped and still accepted unless
+    ``x`` is not finite (then it is skipped); in ``"skip"`` mode it is skipped.
     Then ``policy.update(x, accepted)``.
 
     Args:
@@ -205,7 +207,7 @@ def replay(
         x = torch.tensor(float(value), dtype=policy.dtype)
         edges[t] = math.nan if boundary is None else boundary(policy)
         tau = policy.threshold(x)
-        within = bool(tau / (x + 1e-6) >= 1.0)
+        within = bool(_keep_by_norm(tau, x))
         ok = within if mode == "skip" else math.isfinite(float(value))
         policy.update(x, torch.tensor(ok))
         taus[t], acted[t], accepted[t] = float(tau), not within, ok
