@@ -161,6 +161,38 @@ def _indented(lines: list[str]) -> list[str]:
     return ["  " + line for line in lines]
 
 
+def _answer(
+    fn: Callable,
+    call_text: str,
+    header: Sequence[str],
+    hint: Sequence[str],
+    *args: object,
+    watch_host: bool = True,
+    **kwargs: object,
+) -> tuple[bool, object, HostReadCounter | None]:
+    """Call ``fn``, watching host reads; on a raise, print why: (ok, result, reads)."""
+    watcher = HostReadCounter() if watch_host else contextlib.nullcontext()
+    try:
+        with watcher as reads:
+            result = _call(fn, call_text, *args, **kwargs)
+    except _Raised as raised:
+        # an unwritten stub needs no case to explain it, only where to start
+        if raised.lines[0].startswith("Not implemented"):
+            _say(raised.lines)
+        else:
+            _say([*header, *_indented(raised.lines), *hint])
+        return False, None, None
+    return True, result, reads
+
+
+def _rejects_host_read(reads: HostReadCounter | None, case_line: str, call_text: str) -> bool:
+    """Print the host-read verdict for one case if ``reads`` saw one; True if it did."""
+    if reads is None or not reads.count:
+        return False
+    _say([case_line, f"  call: {call_text}", _host_read_message(reads.operations[0])])
+    return True
+
+
 def _tolerance(dtypes: Sequence[torch.dtype]) -> tuple[float, float]:
     """(rtol, atol) for results stored in the least precise of ``dtypes``."""
     if any(d in (torch.float16, torch.bfloat16) for d in dtypes):
@@ -627,16 +659,11 @@ def _run_grad_cases(
             f"  call:              {call_text}",
             f"  gradients before:  {_grads_text(case.grads)}",
         ]
-        watcher = HostReadCounter() if watch_host else contextlib.nullcontext()
-        try:
-            with watcher as detector:
-                result = _call(fn, call_text, arg, case.threshold, **kwargs)
-        except _Raised as raised:
-            if raised.lines[0].startswith("Not implemented"):
-                _say(raised.lines)
-            else:
-                hint = [f"  Hint: {case.hint}"] if case.hint else []
-                _say([*header, *_indented(raised.lines), *hint])
+        hint = [f"  Hint: {case.hint}"] if case.hint else []
+        ok, result, detector = _answer(
+            fn, call_text, header, hint, arg, case.threshold, watch_host=watch_host, **kwargs
+        )
+        if not ok:
             return False
         expected_grads, expected_return = expected_of(case)
         got_grads = [p.grad for p in params]
@@ -683,14 +710,9 @@ def _run_grad_cases(
                     " (a 0-dim tensor)",
                     f"  your return value:     {_value_text(result)}",
                 )
-        if detector is not None and detector.count:
-            _say(
-                [
-                    f"Case {index} of {len(cases)}: {_describe(case)}.",
-                    f"  call: {call_text}",
-                    _host_read_message(detector.operations[0]),
-                ]
-            )
+        if _rejects_host_read(
+            detector, f"Case {index} of {len(cases)}: {_describe(case)}.", call_text
+        ):
             return False
     _say([f"All {len(cases)} cases pass."])
     return True
@@ -868,13 +890,10 @@ def check_total_norm(fn: Callable) -> bool:
             "  Hint: one tensor may be passed instead of a list: "
             "if isinstance(tensors, torch.Tensor): tensors = [tensors]."
         )
-        try:
-            result = _call(fn, call_text, arg, p)
-        except _Raised as raised:
-            if raised.lines[0].startswith("Not implemented"):
-                _say(raised.lines)
-            else:
-                _say([*header, *_indented(raised.lines), *([bare_hint] if bare else [])])
+        ok, result, _ = _answer(
+            fn, call_text, header, [bare_hint] if bare else [], arg, p, watch_host=False
+        )
+        if not ok:
             return False
         expected = _norm64(tensors, p)
         rtol, atol = _tolerance([t.dtype for t in tensors])
@@ -1100,13 +1119,8 @@ def check_guarded_step(fn: Callable) -> bool:
                 "tensor": params[0] if params else params,
             }[passed_as]
             call_text = "fn(parameters, optimizer, max_norm)"
-            try:
-                result = _call(fn, call_text, arg, opt, max_norm)
-            except _Raised as raised:
-                if raised.lines[0].startswith("Not implemented"):
-                    _say(raised.lines)
-                else:
-                    _say([*header, *_indented(raised.lines)])
+            ok, result, _ = _answer(fn, call_text, header, [], arg, opt, max_norm, watch_host=False)
+            if not ok:
                 return False
             result = _as_bool(result)
             if not isinstance(result, bool):

@@ -34,16 +34,13 @@ import torch
 from torch import Tensor, nn
 
 from gradlab.book.exercises import (
-    _call,
+    _answer,
     _identical,
-    _indented,
     _num,
-    _Raised,
     _say,
     _tensor_text,
     _value_text,
 )
-from gradlab.sync import HostReadCounter
 
 __all__ = ["check_agc"]
 
@@ -400,15 +397,8 @@ def check_agc(fn: Callable) -> bool:
         ]
         hint = [f"  Hint: {case.hint}"] if case.hint else []
         weight, grad = _inputs(case)
-        detector = None
-        try:
-            with HostReadCounter() as detector:
-                result = _call(fn, call_text, weight, grad, **kwargs)
-        except _Raised as raised:
-            if raised.lines[0].startswith("Not implemented"):
-                _say(raised.lines)
-            else:
-                _say([*header, *_indented(raised.lines), *hint])
+        ok, result, detector = _answer(fn, call_text, header, hint, weight, grad, **kwargs)
+        if not ok:
             return False
         expected = _agc64(case.weight, case.grad, rho, eps)
 

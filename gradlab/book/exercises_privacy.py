@@ -18,18 +18,15 @@ from torch import Tensor
 
 from gradlab.book.exercises import (
     _EPS,
-    _call,
-    _host_read_message,
-    _indented,
+    _answer,
     _num,
-    _Raised,
+    _rejects_host_read,
     _same,
     _say,
     _tensor_text,
     _tolerance,
     _value_text,
 )
-from gradlab.sync import HostReadCounter
 
 __all__ = ["check_ghost_norm", "check_ignore_per_sample"]
 
@@ -232,14 +229,8 @@ def check_ignore_per_sample(fn: Callable) -> bool:
             "  samples to keep: " + (", ".join(map(str, kept)) if kept else "none"),
         ]
         hint = [f"  Hint: {case.hint}"] if case.hint else []
-        try:
-            with HostReadCounter() as reads:
-                result = _call(fn, call_text, inputs, case.max_norm)
-        except _Raised as raised:
-            if raised.lines[0].startswith("Not implemented"):
-                _say(raised.lines)
-            else:
-                _say([*header, *_indented(raised.lines), *hint])
+        ok, result, reads = _answer(fn, call_text, header, hint, inputs, case.max_norm)
+        if not ok:
             return False
         if isinstance(result, Tensor) or not isinstance(result, Sequence):
             _say(
@@ -298,14 +289,7 @@ def check_ignore_per_sample(fn: Callable) -> bool:
                     ]
                 )
                 return False
-        if reads.count:
-            _say(
-                [
-                    f"Case {index} of {len(cases)}: {case.what}.",
-                    f"  call: {call_text}",
-                    _host_read_message(reads.operations[0]),
-                ]
-            )
+        if _rejects_host_read(reads, f"Case {index} of {len(cases)}: {case.what}.", call_text):
             return False
     _say([f"All {len(cases)} cases pass."])
     return True
@@ -415,13 +399,8 @@ def check_ghost_norm(fn: Callable) -> bool:
             f"  call: {call_text}, a of shape {tuple(a.shape)}, g of shape {tuple(g.shape)}",
         ]
         hint = [f"  Hint: {case.hint}"] if case.hint else []
-        try:
-            result = _call(fn, call_text, a, g)
-        except _Raised as raised:
-            if raised.lines[0].startswith("Not implemented"):
-                _say(raised.lines)
-            else:
-                _say([*header, *_indented(raised.lines), *hint])
+        ok, result, _ = _answer(fn, call_text, header, hint, a, g, watch_host=False)
+        if not ok:
             return False
         expected = _expected_ghost(case)
         if not isinstance(result, Tensor):
