@@ -49,6 +49,7 @@ from torch import nn
 
 from gradlab import StepGuard
 from gradlab.adaptive import AutoClip, SigmaSkip, ZClip
+from gradlab.book import stored
 from gradlab.book.char_lm import ALPHABET, make_model
 from gradlab.book.figures import spikes
 
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(runs_path.read_text())
         with ProcessPoolExecutor(args.workers) as pool:
             data["reference"] = reference_data(list(pool.map(reference_run, SEEDS)))
-        runs_path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+        stored.write_json(runs_path, data)
         print(f"wrote the reference runs into {runs_path} in {time.perf_counter() - start:.0f} s")
         return 0
     jobs = [(m, s) for s in SEEDS for m in METHODS]
@@ -404,15 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "reference": reference,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    runs_path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    size = stored.write_json(runs_path, data) / 1024
     rows = [table_row(r) for r in runs]
     with open(args.out / "spikes_table.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     write_costs(args.out)
-    size = runs_path.stat().st_size / 1024
     print(f"wrote {args.out} ({size:.0f} KB runs) in {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -16,13 +16,13 @@ chapter ``book/training/clip_vs_ignore.ipynb`` loads.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from gradlab.book import stored
 from gradlab.book.figures import training
 
 PERCENTILES = (90, 95, 99)
@@ -58,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
     data = compute()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, separators=(",", ":")) + "\n")
-    size = args.out.stat().st_size / 1024
+    size = stored.write_json(args.out, data) / 1024
     print(f"wrote {args.out} ({size:.0f} KB) in {time.perf_counter() - start:.0f} s")
     return 0
 

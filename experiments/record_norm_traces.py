@@ -15,13 +15,13 @@ learning rate, 600 steps each) and writes ``book/adaptive/data/norm_traces.json`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from gradlab.book import stored
 from gradlab.book.figures import adaptive
 
 
@@ -34,9 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
     data = adaptive.record_traces()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, separators=(",", ":")) + "\n")
-    size = args.out.stat().st_size / 1024
+    size = stored.write_json(args.out, data) / 1024
     print(f"wrote {args.out} ({size:.0f} KB) in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -14,7 +14,6 @@ trains every (sequence length, method, seed) of :mod:`gradlab.book.figures.rnn` 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from gradlab.book import stored
 from gradlab.book.figures import rnn
 
 LENGTHS = (5, 10, 15, 20)
@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "thresholds": {str(length): thresholds[length] for length in LENGTHS},
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, separators=(",", ":")) + "\n")
-    size = args.out.stat().st_size / 1024
+    size = stored.write_json(args.out, data) / 1024
     print(f"wrote {args.out} ({size:.0f} KB) in {time.perf_counter() - start:.0f} s")
     return 0
 
