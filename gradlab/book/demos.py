@@ -6,6 +6,8 @@ laptop CPU in milliseconds, so the book's numbers reproduce exactly.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -14,6 +16,7 @@ __all__ = [
     "grad_holders",
     "gradients",
     "linear_model",
+    "mse_or_inf",
     "regression_data",
     "small_mlp",
     "tanh_chain",
@@ -74,6 +77,13 @@ def backward(model: nn.Module, x: Tensor, y: Tensor) -> float:
     loss = nn.functional.mse_loss(model(x), y)
     loss.backward()
     return loss.item()
+
+
+def mse_or_inf(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    """The mean-squared error of ``model`` on ``(x, y)``, no gradients (inf if not finite)."""
+    with torch.no_grad():
+        value = nn.functional.mse_loss(model(x), y).item()
+    return value if math.isfinite(value) else math.inf
 
 
 def gradients(model: nn.Module) -> list[Tensor]:

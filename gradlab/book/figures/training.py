@@ -42,7 +42,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 import gradlab
-from gradlab.book.demos import regression_data, small_mlp
+from gradlab.book.demos import mse_or_inf, regression_data, small_mlp
 from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_figure
 from gradlab.skip import StepGuard
 
@@ -205,12 +205,6 @@ def _batch_order(setup: Setup, seed: int) -> Tensor:
 # ------------------------------------------------------------------------- training
 
 
-def _test_loss(model: nn.Module, x: Tensor, y: Tensor) -> float:
-    with torch.no_grad():
-        loss = nn.functional.mse_loss(model(x), y).item()
-    return loss if math.isfinite(loss) else math.inf
-
-
 def train_run(
     method: str,
     seed: int,
@@ -249,7 +243,7 @@ def train_run(
     norms = np.full(setup.steps, np.nan)
     maxes = np.full(setup.steps, np.nan)
     acted = np.zeros(setup.steps, dtype=bool)
-    eval_steps, losses = [0], [_test_loss(model, x_te, y_te)]
+    eval_steps, losses = [0], [mse_or_inf(model, x_te, y_te)]
 
     for step in range(setup.steps):
         xb, yb = x_tr[order[step]], y_tr[order[step]]
@@ -278,7 +272,7 @@ def train_run(
             optimizer.step()
         if (step + 1) % setup.eval_every == 0 or step + 1 == setup.steps:
             eval_steps.append(step + 1)
-            losses.append(_test_loss(model, x_te, y_te))
+            losses.append(mse_or_inf(model, x_te, y_te))
             if not math.isfinite(losses[-1]):  # diverged: the rest is inf, stop early
                 remaining = [
                     s
