@@ -42,9 +42,8 @@ from typing import Any, Protocol, Self, runtime_checkable
 
 import torch
 from torch import Tensor
-from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
-from gradlab.clip import _as_tensor_list
+from gradlab._common import as_tensor_list, check_foreach, check_int, check_real, use_foreach
 
 __all__ = ["AutoClip", "SigmaSkip", "ThresholdPolicy", "ZClip", "agc_"]
 
@@ -82,26 +81,6 @@ class ThresholdPolicy(Protocol):
 
 
 # -------------------------------------------------------------------------- checks
-
-
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
-def _check_real(
-    name: str, value: object, low: float, high: float = _INF, *, open_low: bool = False
-) -> float:
-    """``value`` as a float in [low, high] ((low, high] with ``open_low``), else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    too_low = value <= low if open_low else value < low
-    if math.isnan(value) or too_low or value > high:
-        bracket = "(" if open_low else "["
-        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
-    return value
 
 
 def _check_dtype(dtype: object) -> torch.dtype:
@@ -310,8 +289,8 @@ class AutoClip(_Policy):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.quantile = _check_real("quantile", quantile, 0.0, 1.0)
-        self.window = _check_int("window", window, 1)
+        self.quantile = check_real("quantile", quantile, 0.0, 1.0)
+        self.window = check_int("window", window, 1)
         super().__init__(device, dtype)
 
     def _initial_state(self) -> dict[str, Tensor]:
@@ -411,15 +390,15 @@ class ZClip(_Policy):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.alpha = _check_real("alpha", alpha, 0.0, 1.0)
+        self.alpha = check_real("alpha", alpha, 0.0, 1.0)
         if self.alpha == 1.0:
             raise ValueError("alpha must be in [0, 1), got 1.0 (the EMA would never move)")
-        self.z_thresh = _check_real("z_thresh", z_thresh, 0.0, open_low=True)
+        self.z_thresh = check_real("z_thresh", z_thresh, 0.0, open_low=True)
         if math.isinf(self.z_thresh):
             raise ValueError("z_thresh must be finite, got inf")
-        self.warmup = _check_int("warmup", warmup, 1)
-        self.eps = _check_real("eps", eps, 0.0)
-        self.max_norm = None if max_norm is None else _check_real("max_norm", max_norm, 0.0)
+        self.warmup = check_int("warmup", warmup, 1)
+        self.eps = check_real("eps", eps, 0.0)
+        self.max_norm = None if max_norm is None else check_real("max_norm", max_norm, 0.0)
         super().__init__(device, dtype)
 
     def _initial_state(self) -> dict[str, Tensor]:
@@ -528,11 +507,11 @@ class SigmaSkip(_Policy):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.k = _check_real("k", k, 0.0)
+        self.k = check_real("k", k, 0.0)
         if math.isinf(self.k):
             raise ValueError("k must be finite, got inf")
-        self.window = _check_int("window", window, 2)
-        self.min_count = _check_int("min_count", min_count, 2)
+        self.window = check_int("window", window, 2)
+        self.min_count = check_int("min_count", min_count, 2)
         if self.min_count > self.window:
             raise ValueError(f"min_count must be <= window ({self.window}), got {min_count}")
         super().__init__(device, dtype)
@@ -571,7 +550,7 @@ class SigmaSkip(_Policy):
 # ----------------------------------------------------------------------------- AGC
 
 
-def _unit_norms(tensors: list[Tensor], use_foreach: bool) -> Tensor:
+def _unit_norms(tensors: list[Tensor], vectorised: bool) -> Tensor:
     """The 2-norm of every unit of every tensor, concatenated in order (float32 at least).
 
     A unit is an output row (dims 1..n) of a tensor with two or more dims and the
@@ -581,7 +560,7 @@ def _unit_norms(tensors: list[Tensor], use_foreach: bool) -> Tensor:
     """
     norm_dtype = torch.float32 if tensors[0].dtype in (torch.float16, torch.bfloat16) else None
     whole = [t for t in tensors if t.dim() <= 1]
-    if use_foreach and whole:
+    if vectorised and whole:
         whole_norms = iter(torch._foreach_norm(whole, 2.0, dtype=norm_dtype))
     else:
         whole_norms = iter(torch.linalg.vector_norm(t, dtype=norm_dtype) for t in whole)
@@ -611,22 +590,12 @@ def _agc_coefficients(grad_norms: Tensor, weight_norms: Tensor, clip_factor: flo
     return coef, clip
 
 
-def _use_foreach(tensors: list[Tensor], device: torch.device, foreach: bool | None) -> bool:
-    if foreach is None:
-        return _has_foreach_support(tensors, device)
-    if foreach and not _device_has_foreach_support(device):
-        raise RuntimeError(
-            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
-        )
-    return foreach
-
-
 def _agc_group(params: list[Tensor], grads: list[Tensor], clip_factor: float, eps: float, foreach):
     """Clip one (device, dtype) group in place; return how many units were clipped."""
     device = grads[0].device
-    use_foreach = _use_foreach(grads, device, foreach)
-    grad_norms = _unit_norms(grads, use_foreach)
-    weight_norms = _unit_norms(params, use_foreach)
+    vectorised = use_foreach(grads, device, foreach)
+    grad_norms = _unit_norms(grads, vectorised)
+    weight_norms = _unit_norms(params, vectorised)
     if weight_norms.dtype != grad_norms.dtype:  # weights kept in another dtype
         weight_norms = weight_norms.to(grad_norms.dtype)
     coef, clip = _agc_coefficients(grad_norms, weight_norms, clip_factor, eps)
@@ -638,7 +607,7 @@ def _agc_group(params: list[Tensor], grads: list[Tensor], clip_factor: float, ep
         c.reshape((-1,) + (1,) * (g.dim() - 1)) if g.dim() > 1 else c.reshape(())
         for c, g in zip(coef.split(sizes), grads, strict=True)
     ]
-    if use_foreach:
+    if vectorised:
         torch._foreach_mul_(grads, factors)
     else:
         for g, f in zip(grads, factors, strict=True):
@@ -702,16 +671,15 @@ def agc_(
         A. Brock, S. De, S. L. Smith, K. Simonyan. *High-performance large-scale
         image recognition without normalization.* ICML 2021, arXiv:2102.06171.
     """
-    clip_factor = _check_real("clip_factor", clip_factor, 0.0, open_low=True)
+    clip_factor = check_real("clip_factor", clip_factor, 0.0, open_low=True)
     if math.isinf(clip_factor):
         raise ValueError("clip_factor must be finite, got inf")
-    eps = _check_real("eps", eps, 0.0, open_low=True)
+    eps = check_real("eps", eps, 0.0, open_low=True)
     if math.isinf(eps):
         raise ValueError("eps must be finite, got inf")
-    if foreach is not None and not isinstance(foreach, bool):
-        raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
-    params = _as_tensor_list(parameters, "parameters")
-    skip = {id(t) for t in _as_tensor_list(exclude, "exclude")}
+    check_foreach(foreach)
+    params = as_tensor_list(parameters, "parameters")
+    skip = {id(t) for t in as_tensor_list(exclude, "exclude")}
     pairs = [(p, p.grad) for p in params if p.grad is not None and id(p) not in skip]
     if not pairs:
         return torch.zeros((), dtype=torch.int64)

@@ -29,39 +29,38 @@ ranks, and reduce DTensor gradients (FSDP2's ``fully_shard``) over their own mes
 norm, and so the decision, is then the same on every rank. Each reduction is an
 all-reduce of one number (or of the per-tensor norms), never a host read; every
 maximum travels with a NaN flag, because an all-reduce MAX can drop a NaN.
-
-Gradient accumulation has two meanings:
-
-* clip or ignore the *accumulated* gradient, once per optimizer step: let backward
-  accumulate into ``.grad`` over the ``k`` micro-batches, then call
-  ``clip_grad_norm_`` or ``grad_ignore_norm_`` before the step. With each micro-batch
-  loss scaled by ``1/k``, that is clipping the full batch's gradient (the same numbers
-  up to the order of the additions); one bad micro-batch loses the whole step;
-* drop a bad *micro-batch* from the accumulation: each micro-batch's own gradient is
-  tested, and the kept ones are rescaled by ``k / kept``, so that the step is the mean
-  gradient of the kept micro-batches. :class:`MicroBatchAccumulator` does this.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import types
 import warnings
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
-from torch.utils._foreach_utils import (
-    _device_has_foreach_support,
-    _group_tensors_by_device_and_dtype,
-    _has_foreach_support,
+
+from gradlab import distributed
+from gradlab._common import (
+    EPS,
+    PLAIN_TYPES,
+    SAME_WIDTH_INT,
+    Groups,
+    TensorOrTensors,
+    Threshold,
+    as_tensor_list,
+    check_flag,
+    check_foreach,
+    check_norm_type,
+    check_process_group,
+    check_real,
+    check_threshold_or_tensor,
+    device_groups,
+    use_foreach,
 )
 
-from gradlab import _distributed
-
 __all__ = [
-    "MicroBatchAccumulator",
     "clip_grad_norm_",
     "clip_grad_value_",
     "clip_grads_with_norm_",
@@ -69,15 +68,9 @@ __all__ = [
     "grad_ignore_norm_",
     "grad_ignore_value_",
     "grad_ignore_with_norm_",
+    "keep_by_norm",
+    "keep_by_value",
 ]
-
-TensorOrTensors = Tensor | Iterable[Tensor]
-Threshold = float | Tensor
-Groups = list[tuple[torch.device, torch.dtype, list[Tensor]]]
-
-#: Added to the total norm before dividing, exactly as ``torch.nn.utils`` does, so
-#: that a zero gradient gives a finite coefficient instead of ``max_norm / 0``.
-EPS = 1e-6
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -91,52 +84,7 @@ def _scaled(p: float) -> bool:
     return _SCALE_ABOVE_P < p < math.inf
 
 
-#: Gradients of these types are plain; any other (a DTensor) takes the distributed path.
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
-
-
 # --------------------------------------------------------------------------- checks
-
-
-def _check_threshold(name: str, value: object) -> float:
-    """Return ``value`` as a float, or raise ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    try:
-        value = float(value)
-    except OverflowError:
-        raise ValueError(f"{name} is too large for a float: {value!r}") from None
-    if not value >= 0:  # NaN fails it too; one comparison, which compile can guard on
-        raise ValueError(f"{name} must be a non-negative number (inf allowed), got {value!r}")
-    return value
-
-
-def _check_threshold_or_tensor(name: str, value: object) -> Threshold:
-    """A number (checked as by _check_threshold) or a 0-dim real tensor (left on the device)."""
-    if not isinstance(value, Tensor):
-        return _check_threshold(name, value)
-    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
-        raise ValueError(
-            f"{name} given as a tensor must be a 0-dim real tensor, "
-            f"got shape {tuple(value.shape)} and dtype {value.dtype}"
-        )
-    return value
-
-
-def _check_norm_type(norm_type: object) -> float:
-    """Return ``norm_type`` as a float p in (0, inf], or raise ValueError."""
-    if isinstance(norm_type, str):
-        if norm_type.strip().lower() not in ("inf", "+inf", "infinity"):
-            raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}")
-        return math.inf
-    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
-        raise ValueError(
-            f"norm_type must be a positive number or 'inf', got {type(norm_type).__name__}"
-        )
-    p = float(norm_type)
-    if not p > 0:  # NaN fails it too
-        raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}")
-    return p
 
 
 def _check_total_norm(total_norm: object) -> Tensor:
@@ -149,55 +97,15 @@ def _check_total_norm(total_norm: object) -> Tensor:
             "total_norm must be a 0-dim floating-point tensor, such as get_total_norm returns, "
             f"got {total_norm!r}"
         )
-    if type(total_norm) not in _PLAIN_TYPES and _distributed.is_dtensor(total_norm):
+    if type(total_norm) not in PLAIN_TYPES and distributed.is_dtensor(total_norm):
         # torch.nn.utils.get_total_norm of DTensor gradients: its global value (a
         # collective, which every rank of the mesh makes, as it calls this too).
         return total_norm.full_tensor()
     return total_norm
 
 
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_foreach(foreach: object) -> None:
-    if foreach is not None and not isinstance(foreach, bool):
-        raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
-
-
-def _check_process_group(process_group: object) -> None:
-    if process_group is None:
-        return
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "process_group was given, but torch.distributed is not initialized "
-            "(call torch.distributed.init_process_group first)"
-        )
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise ValueError(
-            "process_group must be None or a torch.distributed.ProcessGroup, "
-            f"got {type(process_group).__name__}"
-        )
-
-
-def _as_tensor_list(tensors: TensorOrTensors, name: str) -> list[Tensor]:
-    """Materialise ``tensors`` (a tensor or an iterable, generators included) as a list."""
-    if isinstance(tensors, Tensor):
-        return [tensors]
-    try:
-        items = list(tensors)
-    except TypeError:
-        raise ValueError(
-            f"{name} must be a tensor or an iterable of tensors, got {type(tensors).__name__}"
-        ) from None
-    for item in items:
-        if not isinstance(item, Tensor):
-            raise ValueError(
-                f"{name} must contain only tensors, found {type(item).__name__} {item!r}"
-            )
-    return items
+def _check_eps(eps: object) -> float:
+    return check_real("eps", eps, 0.0, 1.0)
 
 
 def _grads_of(parameters: TensorOrTensors, action: str | None = None) -> list[Tensor]:
@@ -206,7 +114,7 @@ def _grads_of(parameters: TensorOrTensors, action: str | None = None) -> list[Te
     With ``action``, warn as torch does when ``parameters`` is an empty generator: most
     likely one already consumed, so that the call silently does nothing.
     """
-    params = _as_tensor_list(parameters, "parameters")
+    params = as_tensor_list(parameters, "parameters")
     if action and not params and isinstance(parameters, types.GeneratorType):
         warnings.warn(
             f"`parameters` is an empty generator, no gradient {action} will occur.",
@@ -214,31 +122,6 @@ def _grads_of(parameters: TensorOrTensors, action: str | None = None) -> list[Te
         )
     # No assignment expression here: dynamo cannot trace one inside a comprehension.
     return [p.grad for p in params if p.grad is not None]
-
-
-# ------------------------------------------------------------------- device groups
-
-
-def _groups(tensors: list[Tensor]) -> Groups:
-    """Split ``tensors`` into (device, dtype, tensors) groups, keeping every tensor once."""
-    if not tensors:  # torch's grouping helper rejects an empty list
-        return []
-    grouped = _group_tensors_by_device_and_dtype([tensors])
-    return [
-        (device, dtype, device_tensors)
-        for (device, dtype), ([device_tensors], _) in grouped.items()
-    ]
-
-
-def _use_foreach(tensors: list[Tensor], device: torch.device, foreach: bool | None) -> bool:
-    """Decide, as ``torch.nn.utils`` does, whether a group takes the foreach path."""
-    if foreach is None:
-        return _has_foreach_support(tensors, device)
-    if foreach and not _device_has_foreach_support(device):
-        raise RuntimeError(
-            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
-        )
-    return foreach
 
 
 def _real(dtype: torch.dtype) -> torch.dtype:
@@ -258,15 +141,16 @@ def _like(threshold: Threshold, ref: Tensor) -> Threshold:
     return threshold
 
 
-def _ratio(max_norm: Threshold, total_norm: Tensor) -> Tensor:
-    """``max_norm / (total_norm + EPS)``, with the bits torch gets.
+def _ratio(max_norm: Threshold, total_norm: Tensor, eps: float = EPS) -> Tensor:
+    """``max_norm / (total_norm + eps)``, with the bits torch gets.
 
     torch computes it as ``float / tensor``, which is ``reciprocal(tensor) * float``,
     after ``float(max_norm)`` (which reads a tensor ``max_norm`` on the host). The same
     two steps, with a tensor rounded to the norm's dtype as that float would be, give
     the same bits without the read.
     """
-    return torch.reciprocal(total_norm + EPS) * _like(max_norm, total_norm)
+    shifted = total_norm + eps if eps else total_norm
+    return torch.reciprocal(shifted) * _like(max_norm, total_norm)
 
 
 # ---------------------------------------------------------------------- total norm
@@ -276,7 +160,7 @@ def _ratio(max_norm: Threshold, total_norm: Tensor) -> Tensor:
 _AMINMAX_MIN_NUMEL = 1024
 
 
-def _max_abs_on_cpu(group: list[Tensor], use_foreach: bool, dtype: torch.dtype) -> Tensor:
+def _max_abs_on_cpu(group: list[Tensor], vectorised: bool, dtype: torch.dtype) -> Tensor:
     """max |g| of each (non-empty) CPU tensor of ``group``, as a 1-D tensor of ``dtype``.
 
     The same numbers as the inf-norm (a max is exact, and NaN propagates through
@@ -289,7 +173,7 @@ def _max_abs_on_cpu(group: list[Tensor], use_foreach: bool, dtype: torch.dtype) 
     large = [g for g in group if g.numel() >= _AMINMAX_MIN_NUMEL]
     pieces: list[Tensor] = []
     if small:
-        if use_foreach:
+        if vectorised:
             norms = torch._foreach_norm(small, math.inf, dtype=dtype)
         else:
             norms = [torch.linalg.vector_norm(g, math.inf, dtype=dtype) for g in small]
@@ -321,12 +205,12 @@ def _group_norms(
     # float32/float64 keep torch's exact kernel call; 16-bit inputs are reduced in
     # float32, where a norm of a few hundred large entries cannot overflow.
     norm_dtype = torch.float32 if dtype in _LOW_PRECISION else None
-    use_foreach = _use_foreach(group, device, foreach)
+    vectorised = use_foreach(group, device, foreach)
     if p == math.inf and device.type == "cpu" and dtype.is_floating_point:
-        return _max_abs_on_cpu(group, use_foreach, norm_dtype or dtype)
+        return _max_abs_on_cpu(group, vectorised, norm_dtype or dtype)
     if _scaled(p):
         return torch.stack([_scaled_norm(g, p, norm_dtype) for g in group])
-    if use_foreach:
+    if vectorised:
         return torch.stack(torch._foreach_norm(group, p, dtype=norm_dtype))
     return torch.stack([torch.linalg.vector_norm(g, p, dtype=norm_dtype) for g in group])
 
@@ -342,7 +226,7 @@ def _total_norm(
 
     Uses :math:`\|g\|_p = \bigl\|(\|g_1\|_p, \dots, \|g_k\|_p)\bigr\|_p`: the norm of
     the per-tensor norms, so no concatenated copy is ever made. ``groups`` is
-    ``_groups(tensors)``. Up to p = 4 the vector of per-tensor norms is the one torch
+    ``device_groups(tensors)``. Up to p = 4 the vector of per-tensor norms is the one torch
     builds (same values; the same order, or any order for a max), so the result is
     bit-for-bit torch's wherever torch computes the same per-tensor norms.
     ``per_tensor_hook``, if given, maps the vector of per-tensor norms before the final
@@ -417,27 +301,27 @@ def _global_norm(
     are on this rank. With ``process_group``, the norm of all of it is then reduced
     over the group, as the norm of tensors split across its ranks.
     """
-    local = _distributed.local_tensors(tensors)
-    plain, domains = _distributed.split_dtensors(tensors)
+    local = distributed.local_tensors(tensors)
+    plain, domains = distributed.split_dtensors(tensors)
     with torch.no_grad():
         pieces = []
         if plain:
-            pieces.append(_total_norm(plain, p, foreach, _groups(plain)))
+            pieces.append(_total_norm(plain, p, foreach, device_groups(plain)))
         for mesh_groups, shards in domains:
             if p == math.inf or _scaled(p):
-                norm = _total_norm(shards, p, foreach, _groups(shards))
-                pieces.append(_distributed.all_reduce_norm(norm, p, mesh_groups, _scaled))
+                norm = _total_norm(shards, p, foreach, device_groups(shards))
+                pieces.append(distributed.all_reduce_norm(norm, p, mesh_groups, _scaled))
             else:
                 # Up to p = 4, as torch's DTensor norm: each tensor's norm made global
                 # (one all-reduce of their p-th powers), then the norm of those norms.
                 def hook(norms: Tensor, mesh_groups: list = mesh_groups) -> Tensor:
-                    return _distributed.all_reduce_norm(norms, p, mesh_groups, _scaled)
+                    return distributed.all_reduce_norm(norms, p, mesh_groups, _scaled)
 
-                pieces.append(_total_norm(shards, p, foreach, _groups(shards), hook))
+                pieces.append(_total_norm(shards, p, foreach, device_groups(shards), hook))
         total = _combine(pieces, p) if pieces else _empty_norm(process_group)
         if process_group is not None:
-            total = _distributed.all_reduce_norm(total, p, [process_group], _scaled)
-    return _groups(local), total
+            total = distributed.all_reduce_norm(total, p, [process_group], _scaled)
+    return device_groups(local), total
 
 
 def _norm_of_grads(
@@ -452,12 +336,12 @@ def _norm_of_grads(
 
     The groups hold each DTensor's local shard, so that in-place updates reach it.
     """
-    p = _check_norm_type(norm_type)
-    _check_flag("error_if_nonfinite", error_if_nonfinite)
-    _check_foreach(foreach)
-    _check_process_group(process_group)
-    if process_group is None and all(type(t) in _PLAIN_TYPES for t in tensors):
-        groups = _groups(tensors)
+    p = check_norm_type(norm_type)
+    check_flag("error_if_nonfinite", error_if_nonfinite)
+    check_foreach(foreach)
+    check_process_group(process_group)
+    if process_group is None and all(type(t) in PLAIN_TYPES for t in tensors):
+        groups = device_groups(tensors)
         with torch.no_grad():
             total = _total_norm(tensors, p, foreach, groups)
     else:
@@ -530,7 +414,7 @@ def get_total_norm(
         (one or two all-reduces of a few numbers, no host read): call it on every
         rank of the group, with gradients of the same dtypes.
     """
-    tensors = _as_tensor_list(tensors, "tensors")
+    tensors = as_tensor_list(tensors, "tensors")
     _, total = _norm_of_grads(
         tensors, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE, process_group
     )
@@ -540,13 +424,15 @@ def get_total_norm(
 # ------------------------------------------------------------------------ clipping
 
 
-def _clip_(groups: Groups, max_norm: Threshold, total_norm: Tensor, foreach: bool | None) -> None:
+def _clip_(
+    groups: Groups, max_norm: Threshold, total_norm: Tensor, foreach: bool | None, eps: float = EPS
+) -> None:
     # The clamped coefficient is always multiplied, never branched on: an `if coef < 1`
     # would read it on the host.
-    coef = torch.clamp(_ratio(max_norm, total_norm), max=1.0)
+    coef = torch.clamp(_ratio(max_norm, total_norm, eps), max=1.0)
     for device, _, group in groups:
         coef_here = coef.to(device)
-        if _use_foreach(group, device, foreach):
+        if use_foreach(group, device, foreach):
             torch._foreach_mul_(group, coef_here)
         else:
             for g in group:
@@ -558,12 +444,14 @@ def clip_grads_with_norm_(
     max_norm: float | Tensor,
     total_norm: Tensor,
     foreach: bool | None = None,
+    *,
+    eps: float = EPS,
 ) -> None:
     r"""Rescale all gradients, given their total norm, so that it is at most ``max_norm``.
 
     .. math::
-        g \leftarrow g \cdot \min\Bigl(1, \frac{\text{max\_norm}}{s + 10^{-6}}\Bigr),
-        \qquad s = \text{total\_norm}
+        g \leftarrow g \cdot \min\Bigl(1, \frac{\text{max\_norm}}{s + \epsilon}\Bigr),
+        \qquad s = \text{total\_norm}, \quad \epsilon = 10^{-6}
 
     The second phase of :func:`clip_grad_norm_`, as in
     :func:`torch.nn.utils.clip_grads_with_norm_`: pass a norm computed elsewhere, for
@@ -582,6 +470,9 @@ def clip_grads_with_norm_(
             number, or a 0-dim tensor, used on the device as it is (unchecked).
         total_norm (Tensor): the 0-dim total norm of the gradients.
         foreach (bool, optional): see :func:`get_total_norm`. Default: None
+        eps (float): :math:`\epsilon`, torch's 1e-6 (which keeps ``max_norm / 0`` finite).
+            0 rescales to exactly ``max_norm`` (a zero norm gives a coefficient of 1), for
+            thresholds that may be far below 1e-6. Default: 1e-6
 
     Returns:
         None
@@ -589,12 +480,13 @@ def clip_grads_with_norm_(
     .. note::
         No host read.
     """
-    max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+    max_norm = check_threshold_or_tensor("max_norm", max_norm)
     total_norm = _check_total_norm(total_norm)
-    _check_foreach(foreach)
-    grads = _distributed.local_tensors(_grads_of(parameters))
+    check_foreach(foreach)
+    eps = _check_eps(eps)
+    grads = distributed.local_tensors(_grads_of(parameters))
     with torch.no_grad():
-        _clip_(_groups(grads), max_norm, total_norm, foreach)
+        _clip_(device_groups(grads), max_norm, total_norm, foreach, eps)
 
 
 def clip_grad_norm_(
@@ -654,7 +546,7 @@ def clip_grad_norm_(
         rank of the group, with gradients of the same dtypes. Every rank then scales by the same
         coefficient.
     """
-    max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+    max_norm = check_threshold_or_tensor("max_norm", max_norm)
     grads = _grads_of(parameters, "clipping")
     groups, total = _norm_of_grads(
         grads, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE, process_group
@@ -707,17 +599,17 @@ def clip_grad_value_(
     .. note::
         No host read.
     """
-    clip_value = _check_threshold_or_tensor("clip_value", clip_value)
-    _check_foreach(foreach)
-    grads = _distributed.local_tensors(_grads_of(parameters))
+    clip_value = check_threshold_or_tensor("clip_value", clip_value)
+    check_foreach(foreach)
+    grads = distributed.local_tensors(_grads_of(parameters))
     with torch.no_grad():
-        _clamp_(_groups(grads), clip_value, foreach)
+        _clamp_(device_groups(grads), clip_value, foreach)
 
 
 def _clamp_(groups: Groups, clip_value: Threshold, foreach: bool | None) -> None:
     for device, dtype, group in groups:
         bound = _clamp_bound(clip_value, device, dtype)
-        if _use_foreach(group, device, foreach):
+        if use_foreach(group, device, foreach):
             # The foreach clamps take a number, or one tensor per gradient.
             many = isinstance(bound, Tensor)
             torch._foreach_clamp_min_(group, [-bound] * len(group) if many else -bound)
@@ -728,10 +620,6 @@ def _clamp_(groups: Groups, clip_value: Threshold, foreach: bool | None) -> None
 
 
 # ------------------------------------------------------------------------ ignoring
-
-
-#: A signed integer type of each float width, used to select a whole tensor's bits.
-_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _zero_unless(groups: Groups, keep: Tensor, foreach: bool | None) -> None:
@@ -747,7 +635,7 @@ def _zero_unless(groups: Groups, keep: Tensor, foreach: bool | None) -> None:
     and it is one foreach kernel per group instead of one kernel per tensor.
     """
     for device, dtype, group in groups:
-        int_dtype = _SAME_WIDTH_INT.get(dtype.itemsize) if dtype.is_floating_point else None
+        int_dtype = SAME_WIDTH_INT.get(dtype.itemsize) if dtype.is_floating_point else None
         if int_dtype is None:  # complex gradients, say: select tensor by tensor
             keep_here = keep.to(device)
             zero = torch.zeros((), dtype=dtype, device=device)
@@ -756,23 +644,70 @@ def _zero_unless(groups: Groups, keep: Tensor, foreach: bool | None) -> None:
             continue
         factor = keep.to(device=device, dtype=int_dtype)
         bits = [g.view(int_dtype) for g in group]
-        if _use_foreach(group, device, foreach):
+        if use_foreach(group, device, foreach):
             torch._foreach_mul_(bits, factor)
         else:
             for b in bits:
                 b.mul_(factor)
 
 
-def _keep_by_norm(max_norm: Threshold, total_norm: Tensor) -> Tensor:
-    # The rule of clip_grad_norm_: kept exactly when clipping would not rescale. Written
-    # as a >= so that a NaN norm fails it, and an infinite one gives 0 >= 1, false.
-    return _ratio(max_norm, total_norm) >= 1.0
+def keep_by_norm(total_norm: Tensor, max_norm: float | Tensor, *, eps: float = EPS) -> Tensor:
+    r"""Whether gradients of total norm ``total_norm`` are within ``max_norm``, on the device.
+
+    .. math::
+        \text{keep} \iff \frac{\text{max\_norm}}{\text{total\_norm} + \epsilon} \ge 1,
+        \qquad \epsilon = 10^{-6}
+
+    The rule of :func:`grad_ignore_norm_` and of :class:`gradlab.StepGuard`: kept
+    exactly when :func:`clip_grad_norm_` would not rescale, with torch's rounding of
+    the clip coefficient (``reciprocal(total_norm + 1e-6) * max_norm``). A NaN norm
+    fails the ``>=`` and an infinite one gives ``0 >= 1``: neither is kept. The +1e-6
+    makes every norm above ``max_norm - 1e-6`` fail, so a threshold below about 1e-5
+    is mostly that epsilon: pass ``eps=0`` for such scales (what
+    :class:`gradlab.StepGuard` does with a threshold policy).
+
+    Args:
+        total_norm (Tensor): a 0-dim floating-point norm, such as
+            :func:`get_total_norm` returns.
+        max_norm (float or Tensor): the largest norm kept, a non-negative number, or a
+            0-dim tensor, used on the device as it is.
+        eps (float): :math:`\epsilon`, as in :func:`clip_grads_with_norm_`, whose
+            rescaling this decision matches. Default: 1e-6
+
+    Returns:
+        Tensor: 0-dim ``torch.bool`` on ``total_norm``'s device.
+
+    .. note::
+        No host read. Compose it with any other condition on the device
+        (``keep_by_norm(n, 1.0) & (loss < 10)``) and pass it to :func:`gradlab.step_if_`.
+    """
+    max_norm = check_threshold_or_tensor("max_norm", max_norm)
+    return _ratio(max_norm, _check_total_norm(total_norm), _check_eps(eps)) >= 1.0
 
 
-def _keep_by_value(clip_value: Threshold, largest: Tensor) -> Tensor:
-    # In float64, so that the threshold is not rounded to the gradients' precision; a
-    # NaN or infinite entry fails the <.
-    wide = largest.to(torch.float64)
+def keep_by_value(largest: Tensor, clip_value: float | Tensor) -> Tensor:
+    r"""Whether a largest absolute gradient entry ``largest`` is below ``clip_value``.
+
+    .. math::
+        \text{keep} \iff \text{largest} < \text{clip\_value}
+
+    The rule of :func:`grad_ignore_value_`, compared in float64 so that the threshold
+    is not rounded to the gradients' precision first; a NaN or infinite ``largest``
+    is not kept. ``largest`` is the inf-norm, ``get_total_norm(grads, math.inf)``.
+
+    Args:
+        largest (Tensor): a 0-dim floating-point maximum of absolute values.
+        clip_value (float or Tensor): the smallest absolute entry that is not kept, a
+            non-negative number, or a 0-dim tensor, used on the device as it is.
+
+    Returns:
+        Tensor: 0-dim ``torch.bool`` on ``largest``'s device.
+
+    .. note::
+        No host read.
+    """
+    clip_value = check_threshold_or_tensor("clip_value", clip_value)
+    wide = _check_total_norm(largest).to(torch.float64)
     return wide < _like(clip_value, wide)
 
 
@@ -813,12 +748,12 @@ def grad_ignore_with_norm_(
     .. note::
         No host read.
     """
-    max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+    max_norm = check_threshold_or_tensor("max_norm", max_norm)
     total_norm = _check_total_norm(total_norm)
-    _check_foreach(foreach)
-    grads = _distributed.local_tensors(_grads_of(parameters))
+    check_foreach(foreach)
+    grads = distributed.local_tensors(_grads_of(parameters))
     with torch.no_grad():
-        _zero_unless(_groups(grads), _keep_by_norm(max_norm, total_norm), foreach)
+        _zero_unless(device_groups(grads), keep_by_norm(total_norm, max_norm), foreach)
 
 
 def grad_ignore_norm_(
@@ -875,13 +810,13 @@ def grad_ignore_norm_(
         rank of the group, with gradients of the same dtypes. Every rank then keeps, or zeroes,
         alike: a NaN on one rank zeroes all.
     """
-    max_norm = _check_threshold_or_tensor("max_norm", max_norm)
+    max_norm = check_threshold_or_tensor("max_norm", max_norm)
     grads = _grads_of(parameters, "ignoring")
     groups, total = _norm_of_grads(
         grads, norm_type, error_if_nonfinite, foreach, _IGNORE_ADVICE, process_group
     )
     with torch.no_grad():
-        _zero_unless(groups, _keep_by_norm(max_norm, total), foreach)
+        _zero_unless(groups, keep_by_norm(total, max_norm), foreach)
     return total
 
 
@@ -932,119 +867,9 @@ def grad_ignore_value_(
         rank of the group, with gradients of the same dtypes. The maximum is reduced with a NaN
         flag, so a NaN on one rank zeroes every rank's gradients.
     """
-    clip_value = _check_threshold_or_tensor("clip_value", clip_value)
+    clip_value = check_threshold_or_tensor("clip_value", clip_value)
     grads = _grads_of(parameters, "ignoring")
     groups, largest = _norm_of_grads(grads, math.inf, False, foreach, "", process_group)
     with torch.no_grad():
-        _zero_unless(groups, _keep_by_value(clip_value, largest), foreach)
+        _zero_unless(groups, keep_by_value(largest, clip_value), foreach)
     return largest
-
-
-# -------------------------------------------------------------- gradient accumulation
-
-
-class MicroBatchAccumulator:
-    r"""Accumulate micro-batch gradients, leaving out each micro-batch that is too large.
-
-    Per-micro-batch ignore: each micro-batch's own gradient is tested as
-    :func:`grad_ignore_norm_` tests it, and a bad one (norm above ``max_norm``, NaN or
-    inf) contributes nothing. With ``k`` micro-batches of which ``kept`` are kept and
-    losses scaled by ``1/k`` as usual, :meth:`finish_` leaves in ``.grad``
-
-    .. math::
-        \frac{k}{\text{kept}} \sum_{i\ \text{kept}} \frac{g_i}{k}
-        = \frac{1}{\text{kept}} \sum_{i\ \text{kept}} g_i ,
-
-    the mean gradient of the kept micro-batches, as if the bad ones had never been in
-    the batch (zero if none is kept). Without the rescaling, dropping one micro-batch
-    of four would shrink the step by a quarter.
-
-    The micro-batch's gradient must be alone in ``.grad`` when it is tested, so
-    :meth:`add_` moves it into a buffer (one extra copy of the gradients) and sets
-    ``.grad`` to None for the next backward. The keep flag is a select (NaN never
-    reaches the buffer) and the count of kept micro-batches stays on the device: no
-    host read.
-
-    Example::
-
-        acc = gradlab.MicroBatchAccumulator(model.parameters(), max_norm=10.0)
-        for x, y in micro_batches:                  # k of them
-            (loss_fn(model(x), y) / k).backward()
-            acc.add_()
-        acc.finish_()                               # .grad: mean of the kept ones
-        optimizer.step()
-
-    To clip or ignore the *accumulated* gradient once per optimizer step instead, let
-    backward accumulate into ``.grad`` and call :func:`clip_grad_norm_` or
-    :func:`grad_ignore_norm_` once before the step: with losses scaled by ``1/k``
-    that is clipping the gradient of the full batch.
-
-    Args:
-        parameters (Tensor or Iterable[Tensor]): the parameters whose gradients are
-            accumulated (a generator is materialised once).
-        max_norm (float or Tensor): the largest micro-batch gradient norm kept.
-        norm_type (float or str): p, as in :func:`grad_ignore_norm_`. Default: 2.0
-        foreach (bool, optional): see :func:`get_total_norm`. Default: None
-
-    Attributes:
-        kept (Tensor): 0-dim int64, how many micro-batches were kept so far.
-        count (int): how many micro-batches were added so far.
-    """
-
-    def __init__(
-        self,
-        parameters: TensorOrTensors,
-        max_norm: float | Tensor,
-        norm_type: float | str = 2.0,
-        foreach: bool | None = None,
-    ) -> None:
-        self.params = _as_tensor_list(parameters, "parameters")
-        self.max_norm = _check_threshold_or_tensor("max_norm", max_norm)
-        self.norm_type = _check_norm_type(norm_type)
-        _check_foreach(foreach)
-        self.foreach = foreach
-        self._buffers: list[Tensor | None] = [None] * len(self.params)
-        self.kept: Tensor | None = None
-        self.count = 0
-
-    def add_(self) -> Tensor:
-        """Test the micro-batch gradient now in ``.grad``, add it if kept, clear ``.grad``.
-
-        Returns:
-            Tensor: the micro-batch gradient's total norm, 0-dim.
-        """
-        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
-        grads = [self.params[i].grad for i in with_grad]
-        groups, norm = _norm_of_grads(grads, self.norm_type, False, self.foreach, "")
-        with torch.no_grad():
-            keep = _keep_by_norm(self.max_norm, norm)
-            _zero_unless(groups, keep, self.foreach)  # a select: a bad one adds +0.0
-            for i, g in zip(with_grad, grads, strict=True):
-                buffer = self._buffers[i]
-                if buffer is None:
-                    self._buffers[i] = g  # the first gradient becomes the buffer
-                else:
-                    buffer.add_(g)
-            for i in with_grad:
-                self.params[i].grad = None
-            kept = keep.to(torch.int64)
-            self.kept = kept if self.kept is None else self.kept + kept.to(self.kept.device)
-        self.count += 1
-        return norm
-
-    def finish_(self) -> Tensor:
-        """Put ``count / kept`` times the accumulated sum into ``.grad``; reset.
-
-        Returns:
-            Tensor: 0-dim int64, the number of micro-batches kept.
-        """
-        kept = self.kept if self.kept is not None else torch.zeros((), dtype=torch.int64)
-        with torch.no_grad():
-            # count / kept on the device; 0 when nothing was kept (the buffers are 0).
-            scale = torch.where(kept > 0, self.count / kept.clamp(min=1), 0.0)
-            for p, buffer in zip(self.params, self._buffers, strict=True):
-                if buffer is not None:
-                    p.grad = buffer.mul_(scale.to(device=buffer.device, dtype=buffer.dtype))
-        self._buffers = [None] * len(self.params)
-        self.kept, self.count = None, 0
-        return kept

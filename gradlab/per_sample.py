@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from gradlab.clip import _as_tensor_list
+from gradlab._common import EPS, as_tensor_list, check_threshold
 
 __all__ = [
     "GhostClipping",
@@ -83,22 +83,7 @@ __all__ = [
 
 MaxNorm = float | Sequence[float]
 
-#: Added to a norm before dividing, as in ``torch.nn.utils.clip_grad_norm_`` and
-#: :func:`gradlab.clip_grad_norm_` (so that one sample here is clipped exactly as a
-#: whole batch is there), and as in Opacus.
-EPS = 1e-6
-
 # --------------------------------------------------------------------------- checks
-
-
-def _check_threshold(name: str, value: object) -> float:
-    """Return ``value`` as a float, or raise ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative number (inf allowed), got {value!r}")
-    return value
 
 
 def _check_max_norm(max_norm: object, count: int) -> float | list[float]:
@@ -114,8 +99,8 @@ def _check_max_norm(max_norm: object, count: int) -> float | list[float]:
                 f"max_norm, as a sequence, must have one threshold per parameter "
                 f"({count}), got {len(max_norm)}"
             )
-        return [_check_threshold(f"max_norm[{k}]", v) for k, v in enumerate(max_norm)]
-    return _check_threshold("max_norm", max_norm)
+        return [check_threshold(f"max_norm[{k}]", v) for k, v in enumerate(max_norm)]
+    return check_threshold("max_norm", max_norm)
 
 
 def _check_noise(noise_multiplier: object, generator: object, max_norm: float | list[float]):
@@ -209,7 +194,7 @@ def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
     Args:
         grad_samples: ``P`` tensors of shape ``(B, *param.shape)``.
     """
-    grad_samples = _as_tensor_list(grad_samples, "grad_samples")
+    grad_samples = as_tensor_list(grad_samples, "grad_samples")
     if not grad_samples:
         raise ValueError("grad_samples must contain at least one tensor")
     if any(g.dim() == 0 for g in grad_samples):
@@ -228,8 +213,8 @@ def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
 
 
 def _check_pairs(parameters, grad_samples) -> tuple[list[Tensor], list[Tensor]]:
-    params = _as_tensor_list(parameters, "parameters")
-    samples = _as_tensor_list(grad_samples, "grad_samples")
+    params = as_tensor_list(parameters, "parameters")
+    samples = as_tensor_list(grad_samples, "grad_samples")
     if len(params) != len(samples):
         raise ValueError(
             f"parameters and grad_samples must pair up, got {len(params)} parameters and "

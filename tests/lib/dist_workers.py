@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradlab
-from gradlab._distributed import all_reduce_keep
+from gradlab.distributed import all_reduce_keep
 from gradlab.sync import HostReadCounter
 
 WORLD = 4
@@ -500,7 +500,7 @@ def _guarded_ddp(group, gr, optimizer: str, reduced: bool) -> dict:
         if step == GUARD_NAN_STEP and gr == 1:
             x = x.clone()
             x[0, 0] = math.nan
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
         loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         with HostReadCounter() as counter:

@@ -63,7 +63,7 @@ def _guarded(make, batches, dtype, sync, give_scaler, unscale=True, mode="skip")
             scaler.unscale_(opt)
         guard.step()
         scaler.update()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     return model, opt, scaler, guard
 
 
@@ -171,7 +171,7 @@ def test_scaler_step_of_the_guard_works(name, give_scaler):
         _scaled_backward(model, scaler, batch, torch.float16)
         scaler.step(guard)
         scaler.update()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     assert guard.num_steps == 2  # the scaler did not call guard.step() on the overflow
     _assert_identical((model, opt), ref)
     assert scaler.get_scale() == INIT_SCALE * 0.5

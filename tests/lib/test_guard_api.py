@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gradlab import StepGuard
-from gradlab.skip import SkipLimitError, StepRecord, ThresholdPolicy
+from gradlab import SkipLimitError, StepRecord, ThresholdPolicy
 from gradlab.sync import HostReadCounter
 
 
@@ -76,7 +76,7 @@ def test_counters_last_history_and_callback(sync, make):
         _loss(model, batch, scale).backward()
         norms.append(_norm(model))
         guard.step()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     assert [n > 2.0 for n in norms] == [False, True, True, False, False]  # the premise
     assert (guard.taken, guard.clipped, guard.skipped, guard.num_steps) == (4, 1, 1, 5)
     assert len(guard.history) == 2 and guard.history[-1] is guard.last is seen[-1]
@@ -97,7 +97,7 @@ def test_reading_counters_with_sync_false_is_a_host_read_and_step_is_not():
     for batch in _batches(3):
         _loss(model, batch).backward()
         guard.step()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     _loss(model, _batches(1, seed=3)[0], 1e4).backward()
     with HostReadCounter() as step_reads:
         guard.step()
@@ -114,7 +114,7 @@ def test_state_is_bounded():
     for _ in range(30):
         nn.functional.mse_loss(model(x), y).backward()
         guard.step()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     sizes = {k: len(v) for k, v in vars(guard).items() if isinstance(v, list | dict | deque)}
     assert all(n <= 5 for n in sizes.values()), sizes
 
@@ -142,7 +142,7 @@ def test_clip_and_skip_above(sync):
     for batch, scale in zip(batches, scales, strict=True):
         _loss(model, batch, scale).backward()
         guard.step()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     assert [r.decision for r in guard.history] == ["clipped", "skipped", "clipped", "clipped"]
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -164,7 +164,7 @@ def test_max_consecutive_skips_raises_naming_threshold_and_statistics(sync):
         for batch in batches:
             _loss(model, batch).backward()
             guard.step()
-            guard.zero_grad()
+            guard.optimizer.zero_grad()
     assert guard.num_steps == 4  # raised on the step that reached the limit
     assert f"{_norm(model):.4g}" in str(info.value)  # the last statistic, named
     assert isinstance(info.value, RuntimeError)
@@ -179,7 +179,7 @@ def test_max_consecutive_skips_none_and_a_kept_step_resets(sync):
     for i, batch in enumerate(_batches(9)):
         _loss(model, batch, 1e4 if i % 2 else 1.0).backward()  # every other step skipped
         guard.step()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     off = StepGuard(
         _adamw(model.parameters()), threshold=0.0, sync=sync, max_consecutive_skips=None
     )
@@ -228,7 +228,7 @@ def test_threshold_policy_decides_and_is_updated(sync):
         expected.append("kept" if keep else "skipped")
         level = 2 * norm if keep else level
         guard.step()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     assert [r.decision for r in guard.history] == expected
     assert "skipped" in expected and expected[0] == "kept"
     assert [a for _, a in policy.calls] == [d == "kept" for d in expected]
@@ -256,7 +256,7 @@ def test_loss_threshold(sync):
         losses.append(loss.item())
         loss.backward()
         guard.step(loss=loss)
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     assert [r.decision for r in guard.history] == [
         "kept" if v <= 5.0 else "skipped" for v in losses
     ]

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradlab import StepGuard
+from gradlab.step import snapshot_buffers
 from gradlab.sync import HostReadCounter
 
 optim = torch.optim
@@ -209,7 +210,7 @@ def test_nested_state_host_reads(grow):
         with HostReadCounter() as reads:
             guard.step()
         counts.append(reads.count)
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     # A growing list cannot be undone by a select: the decision is read at every step.
     assert counts == ([1, 1, 1, 1] if grow else [1, 0, 0, 0])
 
@@ -294,7 +295,7 @@ def test_skipped_start_up_steps_each_read_once():
         with HostReadCounter() as reads:
             guard.step()
         counts.append(reads.count)
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     assert counts == [1, 1, 1, 0, 0]
     ref = _run("SGD", make, batches[2:])
     _assert_identical((model, guard.optimizer, None), ref)
@@ -328,7 +329,7 @@ def test_fused_path_keeps_no_copy(name):
             guard.step()
         if i > 0:
             assert max(alloc.numel, default=0) <= 3  # a few scalars, no parameter copy
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
 
 
 def test_snapshot_buffers_are_allocated_once_and_skip_frozen_parameters():
@@ -342,9 +343,9 @@ def test_snapshot_buffers_are_allocated_once_and_skip_frozen_parameters():
     for x, _ in _batches(4):
         frozen(torch.tanh(trained(x))).sum().backward()
         guard.step()
-        guard.zero_grad()
-        pointers.append([b.data_ptr() for b in guard._transaction.buffers])
+        opt.zero_grad()
+        pointers.append([b.data_ptr() for b in snapshot_buffers(opt)])
     assert pointers[1] == pointers[2] == pointers[3]  # reused from the second step on
     n_trained = sum(p.numel() for p in trained.parameters())
     # The trained parameters, their exp_avg and exp_avg_sq, and one `step` each.
-    assert sum(b.numel() for b in guard._transaction.buffers) == 3 * n_trained + 2
+    assert sum(b.numel() for b in snapshot_buffers(opt)) == 3 * n_trained + 2

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradlab import StepGuard, StepRecord, grad_ignore_norm_
-from gradlab.skip import DECISIONS
+from gradlab import DECISIONS
 from gradlab.sync import HostReadCounter
 
 # ------------------------------------------------------------------------ fixtures
@@ -470,13 +470,13 @@ def test_sync_false_never_reads_the_device(name, mode):
     guard = StepGuard(opt, mode=mode, threshold=20.0, sync=False, history=5)
     _backward(model, stream[0])
     guard.step()  # creates the optimizer state (that step may read the decision once)
-    guard.zero_grad()
+    guard.optimizer.zero_grad()
     for batch in stream[1:]:
         _backward(model, batch)
         with _NoHostReads():
             record = guard.step()
             assert record.pending
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     expected = {"none": "kkkkk", "clip": "kcskk", "skip": "ksskk"}[mode]
     assert "".join(r.decision[0] for r in guard.history) == expected
 
@@ -498,7 +498,7 @@ def test_sync_false_adds_no_host_read_to_the_optimizers_own(name):
         if i > 0:
             assert guarded.count == own.count
         bare.zero_grad()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
 
 
 def test_host_reads_per_step():
@@ -511,7 +511,7 @@ def test_host_reads_per_step():
             with HostReadCounter() as c:
                 guard.step()
             counts.append(c.count)
-            guard.zero_grad()
+            guard.optimizer.zero_grad()
         return counts
 
     assert count(True, "skip") == [1, 1, 1]  # like GradScaler: one read per step
@@ -530,7 +530,7 @@ def test_history_is_lazy_with_sync_false_and_converts_on_read():
     for batch in [*_batches(2), _corrupt(_batches(1, seed=5)[0], "inf")]:
         _backward(model, batch)
         record = guard.step()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     assert record.pending
     history = guard.history
     assert not record.pending
@@ -564,7 +564,7 @@ def test_state_dict_round_trip(sync):
     for batch in stream[:3]:
         _backward(model, batch)
         guard.step()
-        guard.zero_grad()
+        guard.optimizer.zero_grad()
     buffer = io.BytesIO()
     torch.save({"guard": guard.state_dict(), "opt": opt.state_dict()}, buffer)
     buffer.seek(0)
@@ -582,7 +582,7 @@ def test_state_dict_round_trip(sync):
         for batch in stream[3:]:
             _backward(m, batch)
             g.step()
-            g.zero_grad()
+            g.optimizer.zero_grad()
     _assert_identical(model, opt, clone, clone_opt)
     assert clone_guard.last == guard.last
 
@@ -620,7 +620,7 @@ def test_step_without_gradients_says_so(sync):
     assert guard.history == [] and guard.num_steps == 0
     _backward(model, _batches(1)[0])
     guard.step()
-    guard.zero_grad(set_to_none=True)
+    guard.optimizer.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(RuntimeError, match="no gradient"):
         guard.step()
@@ -632,14 +632,14 @@ def test_step_without_gradients_says_so(sync):
 )
 @pytest.mark.parametrize("keep", [True, False])
 def test_device_select_is_bit_exact(dtype, keep):
-    from gradlab._transaction import _select_
+    from gradlab._common import select_bits_
 
     new = torch.tensor([0.0, -0.0, math.nan, math.inf, -1.5, 3.0]).to(dtype)
     old = torch.tensor([-0.0, 0.0, 2.0, math.nan, -math.inf, 7.0]).to(dtype)
     live, expected = new.clone(), (new if keep else old).clone()
     for view in (live, live[::2]):  # contiguous (bit path) and strided (torch.where path)
         target = expected if view is live else expected[::2]
-        _select_(view, (old if view is live else old[::2]).clone(), torch.tensor(keep), {})
+        select_bits_(view, (old if view is live else old[::2]).clone(), torch.tensor(keep))
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         if dtype.is_complex:
             assert torch.equal(

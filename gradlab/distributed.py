@@ -1,4 +1,4 @@
-r"""Norms and decisions over a process group, and DTensor gradients (private).
+r"""Norms and decisions over a process group, and DTensor gradients.
 
 A p-norm of tensors split across ranks is the p-norm of the per-rank norms
 :math:`n_r`, so it needs one collective per group, with no host read:
@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from gradlab._common import PLAIN_TYPES
+
 __all__ = [
     "all_reduce_decision",
     "all_reduce_keep",
@@ -39,12 +41,10 @@ __all__ = [
     "split_dtensors",
 ]
 
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
-
 
 def is_dtensor(t: Tensor) -> bool:
     """Whether ``t`` is a :class:`torch.distributed.tensor.DTensor` (imported lazily)."""
-    if type(t) in _PLAIN_TYPES:  # the common case, and the one torch.compile sees
+    if type(t) in PLAIN_TYPES:  # the common case, and the one torch.compile sees
         return False
     if not torch.distributed.is_available():
         return False
@@ -55,7 +55,7 @@ def is_dtensor(t: Tensor) -> bool:
 
 def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
     """Each DTensor replaced by its local shard (a view: in-place ops write through)."""
-    if all(type(t) in _PLAIN_TYPES for t in tensors):
+    if all(type(t) in PLAIN_TYPES for t in tensors):
         return tensors
     return [t.to_local() if is_dtensor(t) else t for t in tensors]
 

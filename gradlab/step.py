@@ -1,0 +1,453 @@
+r"""An exact skip of an optimizer step: :func:`step_if_`.
+
+Zeroing the gradients is not skipping. Plug :math:`g_t = 0` into the update rules:
+
+.. math::
+    \text{SGD, momentum } \mu,\ \text{weight decay } \lambda:\quad
+        b_t = \mu b_{t-1} + \lambda\theta_{t-1}, \qquad \theta_t = \theta_{t-1} - \eta b_t
+
+    \text{Adam:}\quad m_t = \beta_1 m_{t-1}, \quad v_t = \beta_2 v_{t-1}, \quad t \leftarrow t + 1,
+        \qquad \theta_t = \theta_{t-1}
+        - \eta\,\frac{m_t / (1-\beta_1^t)}{\sqrt{v_t / (1-\beta_2^t)} + \epsilon}
+
+    \text{AdamW:}\quad \text{as Adam, and } \theta \leftarrow (1 - \eta\lambda)\,\theta
+        \text{ as well.}
+
+The parameters keep moving on momentum, the moment estimates decay, the step count (and
+with it the bias correction) advances and weight decay still shrinks the weights.
+:func:`step_if_` instead leaves every parameter, every optimizer-state tensor, the step
+counts and the param groups bit for bit as if the batch had never been seen, and fires
+no step hook, whenever its ``keep`` is false.
+
+It is the second phase of a two-phase step, as :func:`gradlab.clip_grads_with_norm_`
+is of clipping: measure, decide on the device, then step or not::
+
+    norm = gradlab.get_total_norm(grads)                       # phase 1: measure
+    keep = gradlab.keep_by_norm(norm, 1.0) & (loss < 10)       # any rule, on the device
+    gradlab.step_if_(optimizer, keep, sync=False)              # phase 2: exact skip
+
+Three ways to skip exactly:
+
+``sync=True``
+    Read ``keep`` on the host (one read, as :class:`torch.amp.GradScaler` reads its
+    ``found_inf``) and call ``optimizer.step()`` only if it is true.
+
+``sync=False``, fused optimizer
+    Adam, AdamW, SGD and Adagrad with ``fused=True`` skip inside their kernel when their
+    ``found_inf`` attribute is a nonzero tensor: the protocol GradScaler uses. As
+    GradScaler does, ``found_inf`` is set for the call and removed after it. No copy,
+    no read.
+
+``sync=False``, any other optimizer
+    Copy what the step can change, step, then keep the new or the old value of every
+    tensor with a device-side select. The copy buffers are made once per optimizer and
+    reused (one copy of the stepped parameters and their state), and freed with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import optimizer as _optim_module
+
+from gradlab._common import SAME_WIDTH_INT, check_flag, select_bits_
+
+__all__ = ["step_if_"]
+
+
+def step_if_(
+    optimizer: torch.optim.Optimizer,
+    keep: Tensor | bool,
+    closure: Callable[[], Any] | None = None,
+    *,
+    sync: bool = True,
+) -> Any:
+    r"""``optimizer.step(closure)`` if ``keep`` is true; otherwise leave no trace at all.
+
+    .. math::
+        (\theta, s) \leftarrow \begin{cases} \text{step}(\theta, s, g) & \text{keep} \\
+        (\theta, s) & \text{otherwise} \end{cases}
+
+    where :math:`s` is the whole optimizer state. When ``keep`` is false the parameters,
+    every state tensor (nested ones and Adam's ``step`` included), the step counts and
+    the param groups are left as if the call had never been made, state entries a
+    first step would create are not created, and no step hook fires. The gradients are
+    not touched either way.
+
+    ``keep`` may come from any rule: :func:`gradlab.keep_by_norm`, a loss test, a norm
+    reduced over a process group (FSDP, TP), a custom statistic. With many ranks, pass
+    every rank the same ``keep`` (a reduced norm gives one; otherwise
+    :func:`gradlab.distributed.all_reduce_keep`).
+
+    Args:
+        optimizer (torch.optim.Optimizer): the optimizer to step.
+        keep (Tensor or bool): a 0-dim ``torch.bool`` tensor on any device, or a Python
+            bool (then nothing is read).
+        closure (Callable, optional): passed to ``optimizer.step`` (LBFGS). It is not
+            called when the step is skipped with ``sync=True``. Default: None
+        sync (bool): ``True``: read ``keep`` on the host once and step only if it is
+            true. ``False``: never read it where the optimizer allows (see the notes).
+            Default: True
+
+    Returns:
+        What ``optimizer.step`` returned; ``None`` if it was not called.
+
+    Raises:
+        TypeError: ``optimizer`` is not a :class:`torch.optim.Optimizer`.
+        ValueError: ``keep`` is not a 0-dim bool tensor or a bool; ``closure`` is not
+            callable; ``sync`` is not a bool; a sparse optimizer or sparse state with
+            ``sync=False``. Checked before anything changes.
+
+    .. note::
+        Host reads: ``sync=True``, one (none for a Python bool). ``sync=False``, none for
+        a fused optimizer, and none on the snapshot path for torch's other optimizers,
+        except in a step that creates optimizer state (the first), a step that changes
+        the state's structure (LBFGS's lists), and every step while step hooks are
+        registered: those read ``keep`` once, since only not stepping skips host code.
+        The optimizers' own reads (their CPU ``step`` tensors) come on top, as without
+        a skip.
+
+    .. note::
+        Memory: nothing for ``sync=True`` and fused optimizers; on the snapshot path one
+        copy of the stepped parameters and their state, made at the first call and
+        reused while they stay the same tensors.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    keep = _check_keep(keep)
+    if closure is not None and not callable(closure):
+        raise ValueError(f"closure must be callable or None, got {type(closure).__name__}")
+    check_flag("sync", sync)
+    if isinstance(keep, bool):
+        return _step(optimizer, closure) if keep else None
+    if sync or _has_user_step_hooks(optimizer):  # hooks are host code: skip by not stepping
+        return _step(optimizer, closure) if bool(keep) else None
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return _fused_step_if(optimizer, keep, closure)
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ValueError(
+            "step_if_(sync=False) cannot snapshot SparseAdam's sparse state; use sync=True"
+        )
+    return _snapshot_of(optimizer).step_if(keep, lambda: _step(optimizer, closure))
+
+
+def _check_keep(keep: object) -> Tensor | bool:
+    if isinstance(keep, bool):
+        return keep
+    if not (isinstance(keep, Tensor) and keep.dim() == 0 and keep.dtype == torch.bool):
+        shape = tuple(keep.shape) if isinstance(keep, Tensor) else None
+        dtype = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
+        raise ValueError(
+            "keep must be a 0-dim torch.bool tensor (such as gradlab.keep_by_norm returns) "
+            f"or a bool, got {dtype} of shape {shape}"
+        )
+    return keep
+
+
+def _step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:
+    return optimizer.step() if closure is None else optimizer.step(closure)
+
+
+def mark_internal_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a step pre-hook of the library's own (a guard's check that every step comes
+    through it), which a skip need not avoid: it is not a reason to read ``keep``."""
+    hook.gradlab_internal = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _has_user_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    pre = [
+        h
+        for h in optimizer._optimizer_step_pre_hooks.values()
+        if not getattr(h, "gradlab_internal", False)
+    ]
+    return bool(
+        pre
+        or optimizer._optimizer_step_post_hooks
+        or _optim_module._global_optimizer_pre_hooks
+        or _optim_module._global_optimizer_post_hooks
+    )
+
+
+def _stepped_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The parameters a torch.optim step can change: those with a gradient."""
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _fused_step_if(
+    optimizer: torch.optim.Optimizer, keep: Tensor, closure: Callable[[], Any] | None
+) -> Any:
+    """Step a fused optimizer with ``found_inf`` set from ``keep``, for this call only.
+
+    The fused kernels leave the parameters and moments alone when ``found_inf`` is
+    nonzero and undo their own ``step += 1``. A first step still creates state entries,
+    which only the host can remove: that step reads ``keep``.
+    """
+    # opt.state is a defaultdict: an entry read before the first step is empty.
+    fresh = [p for p in _stepped_params(optimizer) if not optimizer.state.get(p)]
+    previous = optimizer.__dict__.get("found_inf", _MISSING)
+    # One kernel. float32, as the fused kernels read it; they move it to each device.
+    optimizer.found_inf = torch.where(keep, 0.0, 1.0).to(torch.float32)
+    try:
+        output = _step(optimizer, closure)
+    finally:
+        if previous is _MISSING:
+            del optimizer.found_inf
+        else:
+            optimizer.found_inf = previous
+    created = [p for p in fresh if optimizer.state.get(p)]
+    if created and not bool(keep):
+        for p in created:
+            del optimizer.state[p]
+    return output
+
+
+_MISSING = object()
+
+# ----------------------------------------------------------------------- snapshot
+
+#: The snapshot of each optimizer that takes the snapshot path, freed with it.
+_SNAPSHOTS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Snapshot] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _snapshot_of(optimizer: torch.optim.Optimizer) -> _Snapshot:
+    snapshot = _SNAPSHOTS.get(optimizer)
+    if snapshot is None:
+        snapshot = _SNAPSHOTS[optimizer] = _Snapshot(optimizer)
+    return snapshot
+
+
+def snapshot_buffers(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The copy buffers :func:`step_if_` holds for ``optimizer`` (empty if none).
+
+    For measuring what the snapshot path costs in memory.
+    """
+    snapshot = _SNAPSHOTS.get(optimizer)
+    return [] if snapshot is None else list(snapshot.buffers)
+
+
+class _Snapshot:
+    """Copy, step, then select or restore, for one optimizer.
+
+    The copy covers the parameters that have a gradient (the only ones a torch.optim
+    step changes), their state (tensors nested in lists, tuples and dicts included) and
+    every param group's entries but ``params``. Captured values are :class:`_Leaf`
+    (a tensor, by its index among the copied tensors), :class:`_Mapping`,
+    :class:`_Sequence` and :class:`_Value` nodes.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        self._leaves: list[Tensor] = []  # the live tensors the buffers were made for
+        self.buffers: list[Tensor] = []
+        self._by_device: list[tuple[list[Tensor], list[Tensor]]] = []
+
+    def step_if(self, keep: Tensor, step: Callable[[], Any]) -> Any:
+        """``step()``, then put everything back as before it unless ``keep``."""
+        opt = self._optimizer
+        params = _stepped_params(opt)
+        # The parameters come first among the copied tensors, so buffers[i] is the copy
+        # of params[i] for every i < len(params).
+        leaves: list[Tensor] = list(params)
+        n_state = len(opt.state)
+        state = {p: _capture(opt.state[p], leaves) for p in params if p in opt.state}
+        groups = [
+            {k: _capture(v, leaves) for k, v in g.items() if k != "params"}
+            for g in opt.param_groups
+        ]
+        with torch.no_grad():
+            self._copy(leaves)
+            try:
+                output = step()
+            except BaseException:
+                self._restore(params, state, groups)
+                raise
+            pairs = list(zip(params, self.buffers, strict=False))
+            same = self._same_structure(n_state, state, groups, pairs)
+            if same:
+                masks: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+                for live, old in pairs:
+                    select_bits_(live, old, keep, _mask(masks, keep, live))
+            elif not bool(keep):  # the one host read: a select cannot undo a new structure
+                self._restore(params, state, groups)
+        return output
+
+    def _same_structure(
+        self,
+        n_state: int,
+        state: dict[Tensor, _Node],
+        groups: list[dict[str, _Node]],
+        pairs: list[tuple[Tensor, Tensor]],
+    ) -> bool:
+        """Whether the step kept every container as it was, so that a select can undo it.
+
+        Adds the (live, copy) pair of every state and param-group tensor to ``pairs``.
+        """
+        opt, buffers = self._optimizer, self.buffers
+        if len(opt.state) != n_state or any(p not in opt.state for p in state):
+            return False
+        if not all(_match(node, opt.state[p], buffers, pairs) for p, node in state.items()):
+            return False
+        return all(
+            g.keys() - {"params"} == before.keys()
+            and all(_match(node, g[k], buffers, pairs) for k, node in before.items())
+            for g, before in zip(opt.param_groups, groups, strict=True)
+        )
+
+    def _copy(self, leaves: list[Tensor]) -> None:
+        if len(leaves) != len(self._leaves) or any(
+            a is not b for a, b in zip(leaves, self._leaves, strict=True)
+        ):
+            self._leaves = leaves
+            self.buffers = [
+                torch.empty_like(t, memory_format=torch.contiguous_format) for t in leaves
+            ]
+            groups: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}
+            for t, b in zip(leaves, self.buffers, strict=True):
+                pair = groups.setdefault(t.device, ([], []))
+                pair[0].append(t)
+                pair[1].append(b)
+            self._by_device = list(groups.values())
+        for tensors, buffers in self._by_device:
+            torch._foreach_copy_(buffers, tensors)
+
+    def _restore(
+        self, params: list[Tensor], state: dict[Tensor, _Node], groups: list[dict[str, _Node]]
+    ) -> None:
+        """Put back every container and tensor as it was before the step (same objects)."""
+        opt = self._optimizer
+        for p, old in zip(params, self.buffers, strict=False):
+            p.copy_(old)
+        for p in [p for p in params if p in opt.state and p not in state]:
+            del opt.state[p]
+        for p, node in state.items():
+            opt.state[p] = node.put_back(self.buffers)
+        for g, before in zip(opt.param_groups, groups, strict=True):
+            for key in [k for k in g if k != "params" and k not in before]:
+                del g[key]
+            g.update({k: node.put_back(self.buffers) for k, node in before.items()})
+
+
+def _mask(masks: dict[tuple[torch.device, torch.dtype], Tensor], keep: Tensor, live: Tensor):
+    """``keep`` as all-zero or all-one integers of ``live``'s width, made once per kind."""
+    bits = SAME_WIDTH_INT.get(live.element_size())
+    if bits is None:
+        return None
+    key = (live.device, bits)
+    if key not in masks:
+        masks[key] = keep.to(device=live.device, dtype=bits).neg()
+    return masks[key]
+
+
+class _Leaf:
+    __slots__ = ("index", "tensor")
+
+    def __init__(self, tensor: Tensor, index: int) -> None:
+        self.tensor, self.index = tensor, index
+
+    def put_back(self, buffers: list[Tensor]) -> Tensor:
+        self.tensor.copy_(buffers[self.index])
+        return self.tensor
+
+
+class _Mapping:
+    __slots__ = ("items", "mapping")
+
+    def __init__(self, mapping: dict, items: dict[Any, _Node]) -> None:
+        self.mapping, self.items = mapping, items
+
+    def put_back(self, buffers: list[Tensor]) -> dict:
+        restored = {k: n.put_back(buffers) for k, n in self.items.items()}
+        self.mapping.clear()
+        self.mapping.update(restored)
+        return self.mapping
+
+
+class _Sequence:
+    __slots__ = ("items", "kind", "original")
+
+    def __init__(self, original: list | tuple, items: list[_Node]) -> None:
+        self.original, self.kind, self.items = original, type(original), items
+
+    def put_back(self, buffers: list[Tensor]) -> list | tuple:
+        restored = [n.put_back(buffers) for n in self.items]
+        if self.kind is list:
+            self.original[:] = restored  # type: ignore[index]
+            return self.original
+        return self.kind(restored)
+
+
+class _Value:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def put_back(self, buffers: list[Tensor]) -> Any:
+        return self.value
+
+
+_Node = _Leaf | _Mapping | _Sequence | _Value
+
+
+def _capture(value: Any, leaves: list[Tensor]) -> _Node:
+    if isinstance(value, Tensor):
+        if value.layout != torch.strided:
+            raise ValueError(
+                f"step_if_(sync=False) cannot snapshot a {value.layout} tensor in the "
+                "optimizer's state or param groups; use sync=True"
+            )
+        leaves.append(value)
+        return _Leaf(value, len(leaves) - 1)
+    if isinstance(value, dict):
+        return _Mapping(value, {k: _capture(v, leaves) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return _Sequence(value, [_capture(v, leaves) for v in value])
+    return _Value(value)
+
+
+def _match(
+    node: _Node, value: Any, buffers: list[Tensor], pairs: list[tuple[Tensor, Tensor]]
+) -> bool:
+    """Whether a select can carry ``node`` to ``value``; collects (live, old) tensor pairs."""
+    if isinstance(node, _Leaf):
+        old = node.tensor
+        if not (
+            isinstance(value, Tensor)
+            and value.shape == old.shape
+            and value.dtype == old.dtype
+            and value.device == old.device
+            and value.layout == torch.strided
+        ):
+            return False
+        pairs.append((value, buffers[node.index]))
+        return True
+    if isinstance(node, _Mapping):
+        return (
+            isinstance(value, dict)
+            and value.keys() == node.items.keys()
+            and all(_match(n, value[k], buffers, pairs) for k, n in node.items.items())
+        )
+    if isinstance(node, _Sequence):
+        return (
+            type(value) is node.kind
+            and len(value) == len(node.items)
+            and all(_match(n, v, buffers, pairs) for n, v in zip(node.items, value, strict=True))
+        )
+    old = node.value
+    if value is old:
+        return True
+    if isinstance(value, Tensor) or type(value) is not type(old):
+        return False
+    try:
+        return bool(value == old)
+    except Exception:  # an exotic value without a boolean ==: treat it as changed
+        return False
