@@ -24,11 +24,14 @@ reduces them in their own dtype), so the bits differ, and the result is better:
 torch's float16 norm is inf above 65504 and its clipping then zeroes every gradient.
 
 Many processes: ``get_total_norm``, ``clip_grad_norm_``, ``grad_ignore_norm_`` and
-``grad_ignore_value_`` take ``process_group=`` for tensors sharded by hand across its
-ranks, and reduce DTensor gradients (FSDP2's ``fully_shard``) over their own mesh: the
-norm, and so the decision, is then the same on every rank. Each reduction is an
-all-reduce of one number (or of the per-tensor norms), never a host read; every
-maximum travels with a NaN flag, because an all-reduce MAX can drop a NaN.
+``grad_ignore_value_`` reduce DTensor gradients (FSDP2, HSDP, tensor parallelism and
+their 2-D meshes) over their own mesh, counting a replicated tensor once, and take
+``process_group=`` for pieces held by different ranks of a group (pipeline stages,
+tensors sharded by hand): the norm, and so the decision, is then the same on every rank.
+:func:`gradlab.distributed.total_norm` adds parts split over different groups (expert
+parallelism); :mod:`gradlab.distributed` lists which entries each rank counts. Each
+reduction is an all-reduce of one number (or of the per-tensor norms), never a host
+read; every maximum travels with a NaN flag, because an all-reduce MAX can drop a NaN.
 """
 
 from __future__ import annotations
@@ -87,14 +90,14 @@ def _scaled(p: float) -> bool:
 # --------------------------------------------------------------------------- checks
 
 
-def _check_total_norm(total_norm: object) -> Tensor:
+def _check_total_norm(total_norm: object, name: str = "total_norm") -> Tensor:
     if not (
         isinstance(total_norm, Tensor)
         and total_norm.dim() == 0
         and total_norm.dtype.is_floating_point
     ):
         raise ValueError(
-            "total_norm must be a 0-dim floating-point tensor, such as get_total_norm returns, "
+            f"{name} must be a 0-dim floating-point tensor, such as get_total_norm returns, "
             f"got {total_norm!r}"
         )
     if type(total_norm) not in PLAIN_TYPES and distributed.is_dtensor(total_norm):
@@ -285,9 +288,9 @@ def _combine(norms: list[Tensor], p: float) -> Tensor:
     return _scaled_norm(vector, p) if _scaled(p) else torch.linalg.vector_norm(vector, p)
 
 
-def _empty_norm(process_group: object) -> Tensor:
-    """The norm of no tensors, on a device the group's backend can reduce."""
-    if process_group is not None and torch.distributed.get_backend(process_group) == "nccl":
+def _empty_norm(groups: list) -> Tensor:
+    """The norm of no tensors, on a device the groups' backend can reduce."""
+    if groups and torch.distributed.get_backend(groups[0]) == "nccl":
         return torch.zeros((), device=torch.device("cuda", torch.cuda.current_device()))
     return torch.tensor(0.0)
 
@@ -295,32 +298,39 @@ def _empty_norm(process_group: object) -> Tensor:
 def _global_norm(
     tensors: list[Tensor], p: float, foreach: bool | None, process_group: object
 ) -> tuple[Groups, Tensor]:
-    """(groups of the local tensors, the global norm): DTensors and/or a process group.
+    """(groups of the local tensors, the global norm): DTensors and/or process groups.
 
     Each DTensor domain's norm is reduced over its mesh; plain tensors count as they
-    are on this rank. With ``process_group``, the norm of all of it is then reduced
-    over the group, as the norm of tensors split across its ranks.
+    are on this rank. The norm of all of it is then reduced over ``process_group`` (a
+    group, or a list of groups one after the other), as the norm of tensors split
+    across its ranks. :func:`gradlab.distributed.total_norm` calls this once per part.
     """
+    if process_group is None:
+        groups = []
+    elif isinstance(process_group, list):
+        groups = process_group
+    else:
+        groups = [process_group]
     local = distributed.local_tensors(tensors)
-    plain, domains = distributed.split_dtensors(tensors)
     with torch.no_grad():
+        plain, domains = distributed.split_dtensors(tensors, groups)
         pieces = []
         if plain:
             pieces.append(_total_norm(plain, p, foreach, device_groups(plain)))
         for mesh_groups, shards in domains:
             if p == math.inf or _scaled(p):
                 norm = _total_norm(shards, p, foreach, device_groups(shards))
-                pieces.append(distributed.all_reduce_norm(norm, p, mesh_groups, _scaled))
+                pieces.append(distributed.all_reduce_norm(norm, p, mesh_groups, scaled=_scaled(p)))
             else:
                 # Up to p = 4, as torch's DTensor norm: each tensor's norm made global
                 # (one all-reduce of their p-th powers), then the norm of those norms.
                 def hook(norms: Tensor, mesh_groups: list = mesh_groups) -> Tensor:
-                    return distributed.all_reduce_norm(norms, p, mesh_groups, _scaled)
+                    return distributed.all_reduce_norm(norms, p, mesh_groups, scaled=False)
 
                 pieces.append(_total_norm(shards, p, foreach, device_groups(shards), hook))
-        total = _combine(pieces, p) if pieces else _empty_norm(process_group)
-        if process_group is not None:
-            total = distributed.all_reduce_norm(total, p, [process_group], _scaled)
+        total = _combine(pieces, p) if pieces else _empty_norm(groups)
+        if groups:
+            total = distributed.all_reduce_norm(total, p, groups, scaled=_scaled(p))
     return device_groups(local), total
 
 
@@ -376,8 +386,17 @@ def get_total_norm(
     :math:`M\,(\sum_r (n_r/M)^p)^{1/p}` with :math:`M = \max_r n_r` for larger p, so
     that nothing overflows or underflows; :math:`\max_r n_r` for the inf-norm. Every
     maximum is reduced with a separate NaN flag, because an all-reduce MAX can drop a
-    NaN (on gloo it depends on which rank holds it); a NaN or inf on one rank makes
-    the norm NaN or inf on every rank.
+    NaN (NCCL's ``fmaxf`` drops it from any rank, gloo depending on the rank); a NaN or
+    inf on one rank makes the norm NaN or inf on every rank.
+
+    Which entries each rank counts: a DTensor is summed over the mesh dims on which it
+    is sharded (``Shard``, ``_StridedShard``) and not over its ``Replicate`` dims, whose
+    copies count once (tensor-parallel LayerNorm weights; ``(Shard(0), Replicate())``
+    under FSDP x TP); a ``Partial`` gradient (``SequenceParallel``) is all-reduced first,
+    as torch's DTensor norm does; a plain tensor counts as it is on this rank. All of it
+    is then summed over ``process_group``. See :mod:`gradlab.distributed` for the
+    recipes (DDP, FSDP2, TP, pipeline stages, experts) and
+    :func:`gradlab.distributed.total_norm` for parts split over different groups.
 
     Args:
         tensors (Tensor or Iterable[Tensor]): the values whose norm is taken (typically
@@ -389,11 +408,12 @@ def get_total_norm(
         foreach (bool, optional): ``None`` picks the foreach kernels where the device
             supports them; ``True`` demands them (RuntimeError where unsupported);
             ``False`` loops. Default: None
-        process_group (ProcessGroup, optional): the group whose ranks each hold a part
-            of the tensors (sharded by hand); the norm is then the norm of all the parts,
-            the same bits on every rank. ``None``: this rank's tensors only. DTensor
-            gradients (FSDP2) are always reduced over their own mesh: do not pass the
-            mesh's group here. Default: None
+        process_group (ProcessGroup, optional): the group whose ranks hold different
+            pieces of the tensors: pipeline stages (torchtitan's ``pp_mesh.get_group()``),
+            or tensors sharded by hand; the norm is then the norm of all the pieces,
+            the same bits on every rank. DTensors are reduced over their own mesh first: a
+            group sharing ranks with their mesh is refused (ValueError). ``None``: this
+            rank's plain tensors as they are. Default: None
 
     Returns:
         Tensor: the total norm, 0-dim, on the first tensor's device. Its dtype is the
@@ -527,11 +547,12 @@ def clip_grad_norm_(
         error_if_nonfinite (bool): raise RuntimeError, before any gradient changes, if
             the total norm is NaN or infinite. Default: False
         foreach (bool, optional): see :func:`get_total_norm`. Default: None
-        process_group (ProcessGroup, optional): the group whose ranks each hold a part
-            of the gradients (sharded by hand); the norm is then the norm of all the parts,
-            the same bits on every rank. ``None``: this rank's tensors only. DTensor
-            gradients (FSDP2) are always reduced over their own mesh: do not pass the
-            mesh's group here. Default: None
+        process_group (ProcessGroup, optional): the group whose ranks hold different
+            pieces of the gradients: pipeline stages (torchtitan's ``pp_mesh.get_group()``),
+            or tensors sharded by hand; the norm is then the norm of all the pieces,
+            the same bits on every rank. DTensors are reduced over their own mesh first: a
+            group sharing ranks with their mesh is refused (ValueError). ``None``: this
+            rank's plain tensors as they are. Default: None
 
     Returns:
         Tensor: the total norm of the gradients *before* clipping, 0-dim (the global
@@ -707,7 +728,7 @@ def keep_by_value(largest: Tensor, clip_value: float | Tensor) -> Tensor:
         No host read.
     """
     clip_value = check_threshold_or_tensor("clip_value", clip_value)
-    wide = _check_total_norm(largest).to(torch.float64)
+    wide = _check_total_norm(largest, "largest").to(torch.float64)
     return wide < _like(clip_value, wide)
 
 
@@ -791,11 +812,12 @@ def grad_ignore_norm_(
             the total norm is NaN or infinite. Default: False
         foreach (bool, optional): see :func:`get_total_norm` (used for the norm and the
             zeroing). Default: None
-        process_group (ProcessGroup, optional): the group whose ranks each hold a part
-            of the gradients (sharded by hand); the norm is then the norm of all the parts,
-            the same bits on every rank. ``None``: this rank's tensors only. DTensor
-            gradients (FSDP2) are always reduced over their own mesh: do not pass the
-            mesh's group here. Default: None
+        process_group (ProcessGroup, optional): the group whose ranks hold different
+            pieces of the gradients: pipeline stages (torchtitan's ``pp_mesh.get_group()``),
+            or tensors sharded by hand; the norm is then the norm of all the pieces,
+            the same bits on every rank. DTensors are reduced over their own mesh first: a
+            group sharing ranks with their mesh is refused (ValueError). ``None``: this
+            rank's plain tensors as they are. Default: None
 
     Returns:
         Tensor: the total norm of the gradients before the decision, 0-dim (the global
@@ -847,11 +869,12 @@ def grad_ignore_value_(
             is (unchecked).
         foreach (bool, optional): see :func:`get_total_norm` (used for the maximum and the
             zeroing). Default: None
-        process_group (ProcessGroup, optional): the group whose ranks each hold a part
-            of the gradients (sharded by hand); the largest entry is then that of all the parts,
-            the same bits on every rank. ``None``: this rank's tensors only. DTensor
-            gradients (FSDP2) are always reduced over their own mesh: do not pass the
-            mesh's group here. Default: None
+        process_group (ProcessGroup, optional): the group whose ranks hold different
+            pieces of the gradients: pipeline stages (torchtitan's ``pp_mesh.get_group()``),
+            or tensors sharded by hand; the largest entry is then that of all the pieces,
+            the same bits on every rank. DTensors are reduced over their own mesh first: a
+            group sharing ranks with their mesh is refused (ValueError). ``None``: this
+            rank's plain tensors as they are. Default: None
 
     Returns:
         Tensor: the largest absolute gradient entry before the decision, 0-dim

@@ -500,9 +500,9 @@ class StepGuard:
             StepRecord: the record of this step.
 
         Raises:
-            ValueError: a loss that is not 0-dim, or missing for ``loss_threshold``; no
-                gradient; sparse gradients. Checked before anything changes.
-            RuntimeError: scaler misuse; a step outside the guard.
+            ValueError: a loss that is not 0-dim, or missing for ``loss_threshold``;
+                sparse gradients. Checked before anything changes.
+            RuntimeError: no gradient; scaler misuse; a step outside the guard.
             SkipLimitError: more than ``max_consecutive_skips`` skips in a row.
 
         .. note::
@@ -566,7 +566,7 @@ class StepGuard:
             p for g in self._optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
         if not params:
-            raise ValueError(
+            raise RuntimeError(
                 "StepGuard.step() found no gradient: no parameter of the optimizer has a "
                 ".grad. Call loss.backward() before guard.step()."
             )
@@ -600,7 +600,12 @@ class StepGuard:
         if found_inf is not None:
             keep = keep & (found_inf == 0)
         if self._max_skips is not None and self._on_limit == "take":
-            keep = self._take_at_limit(keep, params, stat, tau, loss, found_inf)
+            forced = self._forced_at_limit(keep, stat, loss, found_inf)
+            if forced is not None:
+                if self.mode == "skip":  # clip mode has clipped already
+                    self._clip(params, stat, torch.where(forced, _as_float64(tau), math.inf))
+                    clipped = forced
+                keep = keep | forced
         if self._group is not None:
             keep = distributed.all_reduce_keep(keep, self._group)
         return stat, keep, clipped
@@ -616,32 +621,29 @@ class StepGuard:
         else:
             clip_grads_with_norm_(params, tau, stat, eps=0.0 if self._policy is not None else EPS)
 
-    def _take_at_limit(
+    def _forced_at_limit(
         self,
         keep: Tensor | bool,
-        params: list[Tensor],
         stat: Tensor,
-        tau: float | Tensor,
         loss: Tensor | None,
         found_inf: Tensor | None,
-    ) -> Tensor | bool:
-        """``keep``, or true (clipped to ``tau``) for a finite step past the limit."""
+    ) -> Tensor | None:
+        """Whether this step is over the limit and finite, so taken anyway (None: not).
+
+        With ``sync=True`` the run is known on the host, and None says the run has not
+        reached the limit. The run before this step is ``steps - 1 - last_taken``.
+        """
+        if self.sync and self._steps - 1 - self._last_taken < self._max_skips:  # type: ignore[operator]
+            return None
         finite = torch.isfinite(stat)
         if loss is not None:
             finite = finite & torch.isfinite(loss)
         if found_inf is not None:
             finite = finite & (found_inf == 0)
-        if self.sync:
-            if self._steps - 1 - self._last_taken < self._max_skips:  # type: ignore[operator]
-                return keep  # the run has not reached the limit: nothing to force
-            forced = finite & torch.logical_not(keep)
-        else:
-            run_at_limit = torch.lt(self._last_taken, self._steps - self._max_skips)
-            forced = run_at_limit & finite & torch.logical_not(keep)
-        if self.mode == "skip":  # clip mode has clipped already
-            bound = torch.where(forced, _as_float64(tau), math.inf)  # inf: no change
-            self._clip(params, stat, bound)
-        return keep | forced
+        forced = finite & torch.logical_not(keep)
+        if not self.sync:
+            forced = forced & torch.lt(self._last_taken, self._steps - self._max_skips)
+        return forced
 
     def _step(
         self,

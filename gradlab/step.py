@@ -59,6 +59,7 @@ from gradlab._common import SAME_WIDTH_INT, check_flag, select_bits_
 __all__ = ["step_if_"]
 
 
+@torch.compiler.disable
 def step_if_(
     optimizer: torch.optim.Optimizer,
     keep: Tensor | bool,
@@ -115,6 +116,12 @@ def step_if_(
         Memory: nothing for ``sync=True`` and fused optimizers; on the snapshot path one
         copy of the stepped parameters and their state, made at the first call and
         reused while they stay the same tensors.
+
+    .. note::
+        Under :func:`torch.compile` this call runs eagerly (a graph break, as a plain
+        ``optimizer.step()`` is unless compiled on its own): it sets and removes
+        ``found_inf`` on the optimizer, and it may read ``keep``. The decision before it
+        (the norm and the rule) compiles into one graph.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(

@@ -156,25 +156,95 @@ def test_double_steps_fail_loudly(name):
     scaler.update()
 
 
+def _snapshot(model, opt, scaler):
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        [p.grad.clone() for p in model.parameters()],
+        {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()},
+        scaler.get_scale(),
+    )
+
+
+def _assert_unchanged(before, model, opt, scaler):
+    params, grads, state, scale = before
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters(), strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
+    after = opt.state_dict()["state"]
+    assert after.keys() == state.keys()
+    assert all(torch.equal(state[k][n], after[k][n]) for k in state for n in state[k])
+    assert scaler.get_scale() == scale
+
+
+@pytest.mark.parametrize("unscale_first", [True, False], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("give_scaler", [True, False], ids=["scaler=", "no-scaler="])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_scaler_step_of_the_guard_works(name, give_scaler):
-    batches = _batches(3)
-    x, y = batches[2]
-    stream = [*batches[:2], (x, y * 1e5)]
-    ref = _reference(OPTIMIZERS[name], batches[:2], torch.float16)
+def test_scaler_step_of_the_guard_is_refused_before_anything_changes(
+    name, give_scaler, unscale_first
+):
+    """scaler.step(guard) used to unscale a second time after unscale_(optimizer), and a
+    guard.step() after it stepped twice: the scaler's bookkeeping is per optimizer."""
     model = _model()
     opt = OPTIMIZERS[name](model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     guard = StepGuard(opt, threshold=50.0, scaler=scaler if give_scaler else None)
-    for batch in stream:
-        _scaled_backward(model, scaler, batch, torch.float16)
+    _scaled_backward(model, scaler, _batches(1)[0], torch.float16)
+    if unscale_first:
+        scaler.unscale_(opt)
+    before = _snapshot(model, opt, scaler)
+    with pytest.raises(TypeError, match=r"guard.step\(\) in place of scaler.step"):
         scaler.step(guard)
-        scaler.update()
-        guard.optimizer.zero_grad()
-    assert guard.num_steps == 2  # the scaler did not call guard.step() on the overflow
-    _assert_identical((model, opt), ref)
-    assert scaler.get_scale() == INIT_SCALE * 0.5
+    _assert_unchanged(before, model, opt, scaler)
+    assert guard.num_steps == 0
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "disabled"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_stray_step_of_a_guarded_optimizer_is_refused(name, enabled):
+    """nanoGPT builds a GradScaler that is disabled outside float16: a stray
+    scaler.step(optimizer) then was a plain optimizer.step(), every step taken twice,
+    the skipped ones included."""
+    model = _model()
+    opt = OPTIMIZERS[name](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, enabled=enabled)
+    guard = StepGuard(opt, threshold=1e-9, scaler=scaler)  # skips every step
+    batch = _batches(1)[0]
+    _scaled_backward(model, scaler, batch, torch.float16)
+    assert guard.step().skipped
+    before = _snapshot(model, opt, scaler)
+    with pytest.raises(RuntimeError, match=r"guarded by a StepGuard|already been called"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match="guarded by a StepGuard"):
+        opt.step()
+    _assert_unchanged(before, model, opt, scaler)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "nosync"])
+def test_a_guard_skip_of_a_finite_step_advances_the_growth_tracker(sync):
+    """The scaler sees only overflow: a step the guard skips for a finite norm counts, for
+    growth, as the plain GradScaler loop counts the same step taken."""
+    batches = _batches(4)
+    x, y = batches[1]
+    stream = [batches[0], (x, y * 60.0), *batches[2:]]  # step 1: finite, over 50
+    plain = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
+    model = _model()
+    opt = OPTIMIZERS["adam"](model.parameters())
+    for batch in stream:
+        _scaled_backward(model, plain, batch, torch.float16)
+        plain.step(opt)
+        plain.update()
+        opt.zero_grad()
+    guarded = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
+    model = _model()
+    opt = OPTIMIZERS["adam"](model.parameters())
+    guard = StepGuard(opt, threshold=50.0, sync=sync, scaler=guarded)
+    for batch in stream:
+        _scaled_backward(model, guarded, batch, torch.float16)
+        guard.step()
+        guarded.update()
+        opt.zero_grad()
+    assert guard.skipped == 1
+    assert guarded.get_scale() == plain.get_scale() == INIT_SCALE * 4  # grew twice
+    assert guarded._get_growth_tracker() == plain._get_growth_tracker()
 
 
 def test_mode_none_writes_nan_on_an_overflowing_fp16_step():
