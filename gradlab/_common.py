@@ -9,6 +9,7 @@ names the argument, and runs before anything changes.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Iterable
@@ -37,6 +38,7 @@ __all__ = [
     "check_real",
     "check_threshold",
     "check_threshold_or_tensor",
+    "constant",
     "device_groups",
     "select_bits_",
     "use_foreach",
@@ -200,6 +202,17 @@ def use_foreach(tensors: list[Tensor], device: torch.device, foreach: bool | Non
             f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
         )
     return foreach
+
+
+@functools.lru_cache(maxsize=1024)
+def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-dim tensor of ``value``, made once per (value, dtype, device); never write it.
+
+    Why: a Python number in an op becomes a new wrapped tensor at every call (a few
+    microseconds on a CPU), and a tensor made from a host value copies it (on a GPU, a
+    wait); ``torch.full`` fills on the device instead.
+    """
+    return torch.full((), value, dtype=dtype, device=device)
 
 
 # ----------------------------------------------------------------------- bit select

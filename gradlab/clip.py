@@ -36,7 +36,9 @@ read; every maximum travels with a NaN flag, because an all-reduce MAX can drop 
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 import types
 import warnings
 from collections.abc import Callable, Iterable
@@ -59,6 +61,7 @@ from gradlab._common import (
     check_process_group,
     check_real,
     check_threshold_or_tensor,
+    constant,
     device_groups,
     use_foreach,
 )
@@ -688,7 +691,7 @@ def keep_by_norm(total_norm: Tensor, max_norm: float | Tensor, *, eps: float = E
     :class:`gradlab.StepGuard` does with a threshold policy).
 
     Args:
-        total_norm (Tensor): a 0-dim floating-point norm, such as
+        total_norm (Tensor): a 0-dim floating-point norm (>= 0, or NaN or inf), such as
             :func:`get_total_norm` returns.
         max_norm (float or Tensor): the largest norm kept, a non-negative number, or a
             0-dim tensor, used on the device as it is.
@@ -698,12 +701,26 @@ def keep_by_norm(total_norm: Tensor, max_norm: float | Tensor, *, eps: float = E
     Returns:
         Tensor: 0-dim ``torch.bool`` on ``total_norm``'s device.
 
+    With a number ``max_norm`` and a float32 or float64 norm, the rule is evaluated as
+    one comparison, ``total_norm <= b``, with the same result: ``b`` is the largest
+    number of the norm's dtype that the rule keeps, found once per threshold on the
+    host by bisection over the dtype's bit patterns, evaluating the rule in that
+    dtype's IEEE arithmetic (the rule is monotone for norms >= 0, since no rounding
+    reverses an order). Why: after an optimizer step every small kernel costs a few
+    microseconds on a CPU, and the rule is four of them. A tensor ``max_norm``, other
+    dtypes and :func:`torch.compile` take the rule as written.
+
     .. note::
-        No host read. Compose it with any other condition on the device
-        (``keep_by_norm(n, 1.0) & (loss < 10)``) and pass it to :func:`gradlab.step_if_`.
+        No host read (the bisection is Python arithmetic, no tensor). Compose it with any
+        other condition on the device (``keep_by_norm(n, 1.0) & (loss < 10)``) and pass
+        it to :func:`gradlab.step_if_`.
     """
     max_norm = check_threshold_or_tensor("max_norm", max_norm)
-    return _ratio(max_norm, _check_total_norm(total_norm), _check_eps(eps)) >= 1.0
+    total_norm, eps = _check_total_norm(total_norm), _check_eps(eps)
+    if isinstance(max_norm, float) and _fast_path(total_norm):
+        bound = _largest_kept_norm(max_norm, eps, total_norm.dtype)
+        return torch.le(total_norm, constant(bound, total_norm.dtype, total_norm.device))
+    return _ratio(max_norm, total_norm, eps) >= 1.0
 
 
 def keep_by_value(largest: Tensor, clip_value: float | Tensor) -> Tensor:
@@ -728,8 +745,84 @@ def keep_by_value(largest: Tensor, clip_value: float | Tensor) -> Tensor:
         No host read.
     """
     clip_value = check_threshold_or_tensor("clip_value", clip_value)
-    wide = _check_total_norm(largest, "largest").to(torch.float64)
+    largest = _check_total_norm(largest, "largest")
+    if isinstance(clip_value, float) and _fast_path(largest):
+        bound = _largest_below(clip_value, largest.dtype)
+        return torch.le(largest, constant(bound, largest.dtype, largest.device))
+    wide = largest.to(torch.float64)
     return wide < _like(clip_value, wide)
+
+
+# ------------------------------------------------------------- one-comparison rules
+
+
+def _fast_path(stat: Tensor) -> bool:
+    return stat.dtype in _HOST_FORMATS and not torch.compiler.is_compiling()
+
+
+#: The dtypes whose arithmetic the host reproduces exactly: float64 is Python's float,
+#: float32 is a float rounded with struct (double rounding is harmless for +, *, / of
+#: float32 operands: a double holds more than 2 * 24 + 2 bits, Figueroa 1995).
+_HOST_FORMATS = {torch.float32: "<f", torch.float64: "<d"}
+_BITS = {torch.float32: "<I", torch.float64: "<Q"}
+#: float32 numbers at or above this round to inf (the midpoint of FLT_MAX and 2**128).
+_F32_TO_INF = 2.0**128 - 2.0**103
+
+
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    """``x`` rounded to the nearest ``dtype`` number, ties to even, overflow to inf."""
+    if dtype == torch.float64 or math.isnan(x) or math.isinf(x):
+        return x
+    if abs(x) >= _F32_TO_INF:
+        return math.copysign(math.inf, x)
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _from_bits(pattern: int, dtype: torch.dtype) -> float:
+    return struct.unpack(_HOST_FORMATS[dtype], struct.pack(_BITS[dtype], pattern))[0]
+
+
+def _to_bits(x: float, dtype: torch.dtype) -> int:
+    return struct.unpack(_BITS[dtype], struct.pack(_HOST_FORMATS[dtype], x))[0]
+
+
+def _norm_rule_on_host(norm: float, max_norm: float, eps: float, dtype: torch.dtype) -> bool:
+    """``reciprocal(norm + eps) * max_norm >= 1`` in ``dtype`` arithmetic, as torch rounds
+    it: the Python numbers are rounded to ``dtype`` first, each result after each op."""
+    shifted = _rounded(norm + _rounded(eps, dtype), dtype) if eps else norm
+    inverse = math.inf if shifted == 0 else _rounded(1.0 / shifted, dtype)
+    return _rounded(inverse * _rounded(max_norm, dtype), dtype) >= 1.0
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_kept_norm(max_norm: float, eps: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` number >= 0 that keep_by_norm's rule keeps (-inf if none).
+
+    The rule is false at inf (``1/inf * max_norm`` is 0 or NaN) and monotone in the norm,
+    so bisecting the bit patterns of [0, inf], which are ordered as the numbers, finds
+    the boundary in at most 64 evaluations.
+    """
+    if not _norm_rule_on_host(0.0, max_norm, eps, dtype):
+        return -math.inf
+    kept, over = 0, _to_bits(math.inf, dtype)
+    while over - kept > 1:
+        middle = (kept + over) // 2
+        if _norm_rule_on_host(_from_bits(middle, dtype), max_norm, eps, dtype):
+            kept = middle
+        else:
+            over = middle
+    return _from_bits(kept, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _largest_below(clip_value: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` number below ``clip_value`` (keep_by_value's boundary)."""
+    nearest = _rounded(clip_value, dtype)
+    if nearest < clip_value:
+        return nearest
+    if nearest == 0:  # the largest number below +0 is the smallest negative one
+        return -_from_bits(1, dtype)
+    return _from_bits(_to_bits(nearest, dtype) - 1, dtype)  # nearest > 0 here
 
 
 def grad_ignore_with_norm_(

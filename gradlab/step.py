@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 from torch.optim import optimizer as _optim_module
 
-from gradlab._common import SAME_WIDTH_INT, check_flag, select_bits_
+from gradlab._common import SAME_WIDTH_INT, check_flag, constant, select_bits_
 
 __all__ = ["step_if_"]
 
@@ -200,7 +200,8 @@ def _fused_step_if(
     fresh = [p for p in _stepped_params(optimizer) if not optimizer.state.get(p)]
     previous = optimizer.__dict__.get("found_inf", _MISSING)
     # One kernel. float32, as the fused kernels read it; they move it to each device.
-    optimizer.found_inf = torch.where(keep, 0.0, 1.0).to(torch.float32)
+    zero, one = (constant(v, torch.float32, keep.device) for v in (0.0, 1.0))
+    optimizer.found_inf = torch.where(keep, zero, one)
     try:
         output = _step(optimizer, closure)
     finally:
