@@ -1,28 +1,34 @@
-"""The book's own code: figures, explorables, demo models, exercise checks, benchmarks.
+"""The book's own code: figures, explorables, demo models, exercise checks, stored data.
 
-Nothing in the library (:mod:`gradlab`) imports this package. It needs the ``book``
-extra, which brings numpy, matplotlib, pillow, ipywidgets and opacus (for the privacy
-accounting of the per-sample chapter)::
+A distribution of its own, ``gradlab-book``, versioned with the book (3.0 is the third
+edition). It depends on the library, :mod:`gradlab`, and brings numpy, matplotlib,
+pillow, ipywidgets and opacus (for the privacy accounting of the per-sample chapter);
+nothing in the library imports it::
 
-    pip install "gradlab[book]"
+    pip install gradlab-book            # from a clone: pip install -e ./gradlab-book
 
-* :mod:`gradlab.book.figures`: one module per topic of the book, computation apart
+* :mod:`gradlab_book.figures`: one module per topic of the book, computation apart
   from drawing;
-* :mod:`gradlab.book.interactive`: figures live in a kernel, precomputed on the page;
-* :mod:`gradlab.book.plots`: the house style;
-* :mod:`gradlab.book.demos`: the seeded models and data the chapters train;
-* :mod:`gradlab.book.exercises`: the self-checks of the coding exercises;
-* :mod:`gradlab.book.benchmark`: the timing harness and the reference loops;
-* :mod:`gradlab.book.headers` and :mod:`gradlab.book.student_edition`: tools that
-  maintain the notebooks and write the edition without solutions.
+* :mod:`gradlab_book.interactive`: figures live in a kernel, precomputed on the page;
+* :mod:`gradlab_book.plots`: the house style;
+* :mod:`gradlab_book.demos`: the seeded models and data the chapters train;
+* :mod:`gradlab_book.exercises`: the self-checks of the coding exercises;
+* :mod:`gradlab_book.benchmark`: the timing harness and the reference loops;
+* :mod:`gradlab_book.stored`: the data files the experiments wrote, shipped in the
+  package (``gradlab_book/data/``) so that a chapter runs wherever it is opened.
+
+The tools that maintain the notebooks are not part of it: they are the repository's
+``booktools`` package.
 """
 
 import importlib.util
+
+__version__ = "3.0.0.dev0"
 
 _NEEDED = ("numpy", "matplotlib", "PIL", "ipywidgets")
 _missing = [name for name in _NEEDED if importlib.util.find_spec(name) is None]
 if _missing:
     raise ImportError(
-        f"gradlab.book needs {', '.join(_missing)}, which the library alone does not "
-        'install: pip install "gradlab[book]" (from a clone: pip install -e ".[book]")'
+        f"gradlab_book needs {', '.join(_missing)}, which are not installed: "
+        "pip install gradlab-book (from a clone: pip install -e ./gradlab-book)"
     )
