@@ -14,7 +14,7 @@ import platform
 
 import torch
 
-from gradlab.book.benchmark import DEFAULT_CASES, QUICK_CASES, benchmark_table, format_table
+from gradlab_book.benchmark import DEFAULT_CASES, QUICK_CASES, benchmark_table, format_table
 
 TIMES = [
     "case",

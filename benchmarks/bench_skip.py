@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 import gradlab
-from gradlab.book.benchmark import time_calls
 from gradlab.sync import HostReadCounter
+from gradlab_book.benchmark import time_calls
 
 SIZES = {"394K": (256, 1024, 128), "30M": (2048, 4096, 4096, 1024)}
 

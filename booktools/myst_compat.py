@@ -26,14 +26,14 @@ In a notebook the rewrite also keeps two things in step:
 Everything else the chapters use renders in both without change: ``:::{exercise}``
 with ``:label:`` (a box), ``:::{solution} label`` with ``:class: dropdown`` (folded
 until clicked), the gated markers, dollar math with the macros of the notation cell
-(``gradlab/book/headers.py``). Fenced code blocks are copied verbatim. The rewrite
+(``booktools/headers.py``). Fenced code blocks are copied verbatim. The rewrite
 is idempotent: run it again and nothing changes.
 
 Usage (from the repository root)::
 
-    .venv/bin/python -m gradlab.book.myst_compat                  # every page and notebook
-    .venv/bin/python -m gradlab.book.myst_compat book/training/costs.ipynb  # some files
-    .venv/bin/python -m gradlab.book.myst_compat --check          # report, change nothing
+    .venv/bin/python -m booktools.myst_compat                  # every page and notebook
+    .venv/bin/python -m booktools.myst_compat book/training/costs.ipynb  # some files
+    .venv/bin/python -m booktools.myst_compat --check          # report, change nothing
 
 Markdown cells and the ``source_hidden`` flag only (``nbformat``; cell ids, code and
 outputs untouched), so no notebook needs re-executing.
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # booktools runs from the clone, never installed
 BOOK = ROOT / "book"
 BIB = BOOK / "references.bib"
 

@@ -2,10 +2,10 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python -m gradlab.book.student_edition OUTDIR            # notebooks and HTML
-    .venv/bin/python -m gradlab.book.student_edition OUTDIR --no-html  # notebooks only (fast)
-    .venv/bin/python -m gradlab.book.student_edition OUTDIR --keep-marked-code  # for nbgrader/otter
-    .venv/bin/python -m gradlab.book.student_edition OUTDIR --no-html --pdf  # + OUTDIR/pdf/
+    .venv/bin/python -m booktools.student_edition OUTDIR            # notebooks and HTML
+    .venv/bin/python -m booktools.student_edition OUTDIR --no-html  # notebooks only (fast)
+    .venv/bin/python -m booktools.student_edition OUTDIR --keep-marked-code  # for nbgrader/otter
+    .venv/bin/python -m booktools.student_edition OUTDIR --no-html --pdf  # + OUTDIR/pdf/
 
 It writes
 
@@ -19,7 +19,7 @@ It writes
   - the gated ``{solution-start}`` / ``{solution-end}`` markdown cells, any markdown in
     between, and every ``{solution}`` directive block removed;
   - the outputs of the stubbed cells and of the check cells (cells that call one of
-    the ``check_*`` functions of the ``gradlab.book.exercises*`` modules, and the first
+    the ``check_*`` functions of the ``gradlab_book.exercises*`` modules, and the first
     code cell after a gated solution) cleared;
     every other cell keeps its outputs (figures included);
 
@@ -55,9 +55,9 @@ from pathlib import Path
 import nbformat
 import yaml
 
-import gradlab.book
+import gradlab_book
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # booktools runs from the clone, never installed
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -86,11 +86,11 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|:{3,})[ \t]*(?P<info>[^
 
 
 def exercise_checks() -> tuple[str, ...]:
-    """The ``check_*`` functions that ``gradlab.book.exercises*`` modules export."""
+    """The ``check_*`` functions that ``gradlab_book.exercises*`` modules export."""
     names = []
-    for info in pkgutil.iter_modules(gradlab.book.__path__):
+    for info in pkgutil.iter_modules(gradlab_book.__path__):
         if info.name.startswith("exercises"):
-            module = importlib.import_module(f"gradlab.book.{info.name}")
+            module = importlib.import_module(f"gradlab_book.{info.name}")
             names += [n for n in module.__all__ if n.startswith("check_")]
     return tuple(sorted(names))
 
@@ -275,7 +275,7 @@ def strip_notebook(nb, where: str = "", *, stub_code: bool = True) -> tuple[obje
                 cell.source = source
             _clear(cell)
             # The instructor notebook folds a gated solution's code in JupyterLab
-            # (gradlab.book.myst_compat); the student's stub is there to be filled in.
+            # (booktools.myst_compat); the student's stub is there to be filled in.
             cell.metadata.get("jupyter", {}).pop("source_hidden", None)
             if cell.metadata.get("jupyter") == {}:
                 del cell.metadata["jupyter"]

@@ -6,7 +6,8 @@ machine):
     .venv/bin/python experiments/char_lm_spikes.py
 
 trains every (method, seed) below with AdamW on a fixed list of Python
-standard-library source files and writes, under ``book/adaptive/data/``,
+standard-library source files and writes, into the book package's data folder
+(``gradlab-book/gradlab_book/data/``, :func:`gradlab_book.stored.folder`),
 
 * ``spikes_runs.json``: the setup, the corpus's sha256, and for every run the
   training loss, gradient norm and decision (kept, clipped, skipped) of every step
@@ -49,11 +50,11 @@ from torch import nn
 
 from gradlab import StepGuard
 from gradlab.adaptive import AutoClip, SigmaSkip, ZClip
-from gradlab.book import stored
-from gradlab.book.char_lm import ALPHABET, make_model
-from gradlab.book.figures import spikes
+from gradlab_book import stored
+from gradlab_book.char_lm import ALPHABET, make_model
+from gradlab_book.figures import spikes
 
-DATA_DIR = spikes.DATA_DIR
+DATA_DIR = stored.folder()
 
 #: The corpus: these files of the standard library, in this order, concatenated.
 CORPUS_FILES = (
@@ -280,7 +281,7 @@ def measure_costs(steps: int = COST_STEPS, seed: int = 0, setup: dict = SETUP) -
 
 
 def count_spikes(losses: list[float | None]) -> int:
-    """How many spikes ``losses`` has, by :func:`gradlab.book.figures.spikes.spike_starts`."""
+    """How many spikes ``losses`` has, by :func:`gradlab_book.figures.spikes.spike_starts`."""
     return len(spikes.spike_starts(losses, SPIKE_WINDOW, SPIKE_RATIO))
 
 

@@ -6,10 +6,10 @@ machine):
     .venv/bin/python experiments/clip_vs_ignore_grid.py
 
 calibrates the thresholds on clean runs, trains every method of
-:mod:`gradlab.book.figures.training` at the 90th, 95th and 99th percentile and at 0%,
+:mod:`gradlab_book.figures.training` at the 90th, 95th and 99th percentile and at 0%,
 10% and 20% corrupted batches, on seeds 0, 1 and 2 (162 runs of 150 steps, about 20 s
-on one core), and writes ``book/training/data/clip_vs_ignore_grid.json``, which the
-chapter ``book/training/clip_vs_ignore.ipynb`` loads.
+on one core), and writes ``gradlab-book/gradlab_book/data/clip_vs_ignore_grid.json``,
+which the chapter ``book/training/clip_vs_ignore.ipynb`` loads.
 ``tests/book/test_experiments_clip_vs_ignore.py`` reruns some of the runs against the file.
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from gradlab.book import stored
-from gradlab.book.figures import training
+from gradlab_book import stored
+from gradlab_book.figures import training
 
 PERCENTILES = (90, 95, 99)
 RATES = (0.0, 0.1, 0.2)

@@ -5,9 +5,9 @@ one thread, well under a minute:
 
     .venv/bin/python experiments/record_norm_traces.py
 
-trains the two uncontrolled runs of :func:`gradlab.book.figures.adaptive.record_traces`
+trains the two uncontrolled runs of :func:`gradlab_book.figures.adaptive.record_traces`
 (the chapter-7 MLP with 5% corrupted batches, and a 16-layer tanh chain at a high
-learning rate, 600 steps each) and writes ``book/adaptive/data/norm_traces.json``, which
+learning rate, 600 steps each) and writes ``gradlab-book/gradlab_book/data/norm_traces.json``, which
 ``book/adaptive/adaptive_thresholds.ipynb`` loads.
 ``tests/book/test_experiments_traces.py`` reruns a prefix of both runs against the file.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from gradlab.book import stored
-from gradlab.book.figures import adaptive
+from gradlab_book import stored
+from gradlab_book.figures import adaptive
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@ One command, seeded and deterministic (same numbers on every rerun on the same m
 
     .venv/bin/python experiments/rnn_long_dependency.py
 
-trains every (sequence length, method, seed) of :mod:`gradlab.book.figures.rnn` and writes
-``book/training/data/rnn_long_dependency.json``, which the chapter
+trains every (sequence length, method, seed) of :mod:`gradlab_book.figures.rnn` and writes
+``gradlab-book/gradlab_book/data/rnn_long_dependency.json``, which the chapter
 ``book/training/rnn_long_dependency.ipynb`` loads. Each worker process uses one thread;
 ``--workers`` (default 2) sets how many run at once, which changes the wall time only.
 ``tests/book/test_experiments_rnn.py`` reruns a prefix of one run against the file.
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from gradlab.book import stored
-from gradlab.book.figures import rnn
+from gradlab_book import stored
+from gradlab_book.figures import rnn
 
 LENGTHS = (5, 10, 15, 20)
 SEEDS = (0, 1, 2, 3, 4)

@@ -6,7 +6,7 @@
 #                                   typeset with the book's macros, the exercises, and the
 #                                   solutions in an appendix chapter, "Solutions";
 #   _build/pdf/gradlab-student.pdf  the student edition: the same book built from the
-#                                   stripped notebooks (python -m gradlab.book.student_edition
+#                                   stripped notebooks (python -m booktools.student_edition
 #                                   --pdf), without the solutions or the instructors' page;
 #
 # each with its XeLaTeX log beside it (tests/pdf reads both). Jupyter Book's LaTeX route
@@ -72,7 +72,7 @@ cp "$out/work/_build/latex/gradlab.pdf" "$out/work/_build/latex/gradlab.log" "$o
 echo "gradlab.pdf: $((SECONDS - t0)) s"
 
 t0=$SECONDS
-.venv/bin/python -m gradlab.book.student_edition "$out/student" --root . --no-html --pdf \
+.venv/bin/python -m booktools.student_edition "$out/student" --root . --no-html --pdf \
   >/dev/null
 cp "$out/student/pdf/gradlab-student.pdf" "$out/student/pdf/gradlab-student.log" "$out/"
 echo "gradlab-student.pdf: $((SECONDS - t0)) s"

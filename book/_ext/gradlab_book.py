@@ -24,7 +24,7 @@
   inside a ``role="list"`` that then has no list items. The components are patched as they
   are loaded (``_COMPONENT_PATCHES``) and the role is replaced in each page's body.
 * Figures of notebook outputs come through MyST-NB with their file name as ``alt``. Each
-  one drawn by a figure function of ``gradlab.book`` (the last expression of its cell)
+  one drawn by a figure function of ``gradlab_book`` (the last expression of its cell)
   gets that function's docstring, which says what the figure shows.
 """
 
@@ -42,7 +42,8 @@ from pathlib import Path
 # (distribution name, what it does for the book)
 TOOLS = (
     ("torch", "runs every gradient on the pages"),
-    ("gradlab", "the clip/ignore functions and figures"),
+    ("gradlab", "the clip/ignore functions"),
+    ("gradlab-book", "the figures, demo models and exercise checks"),
     ("numpy", "arrays behind the figures"),
     ("matplotlib", "draws every figure"),
     ("ipywidgets", "live sliders in a running kernel"),
@@ -206,12 +207,13 @@ _FIGURE_DOCS: dict[str, str] | None = None
 
 
 def _figure_docs() -> dict[str, str]:
-    """First paragraph of the docstring of every function of gradlab.book, by name."""
+    """First paragraph of the docstring of every function of gradlab_book, by name."""
     global _FIGURE_DOCS
     if _FIGURE_DOCS is None:
         _FIGURE_DOCS = {}
-        spec = importlib.util.find_spec("gradlab")  # finds the package without importing it
-        roots = [Path(p) / "book" for p in (spec.submodule_search_locations or [])] if spec else []
+        # find_spec finds the package without importing it
+        spec = importlib.util.find_spec("gradlab_book")
+        roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
         for root in roots:
             for module in sorted(root.rglob("*.py")):
                 try:

@@ -7,7 +7,7 @@ Everything here but the last item acts on the LaTeX builder only (``jupyter-book
   (``mathjax3_config.tex.macros``). The same macros go into the LaTeX preamble as
   commands (:func:`latex_macros`), so the PDF cannot disagree with the site, with a
   plain-text form of each for the PDF bookmarks (:func:`bookmark_macros`).
-* **Explorable figures.** A kernel-free explorable (``gradlab.book.interactive``) is a
+* **Explorable figures.** A kernel-free explorable (``gradlab_book.interactive``) is a
   ``text/html`` output: sliders over precomputed PNG frames, with the default frame as the
   ``src`` of its ``<img class="gradlab-frame">``. LaTeX cannot show HTML, so before MyST-NB
   picks each output's MIME type, that default frame is lifted out of the HTML into an
@@ -17,7 +17,7 @@ Everything here but the last item acts on the LaTeX builder only (``jupyter-book
 * **Solutions.** The exercises stay in place; every solution (sphinx-exercise, plain and
   gated) moves to an appendix chapter, "Solutions", grouped by chapter, before the
   references (:class:`SolutionsToAppendix`). The student edition is built from notebooks
-  with the solutions removed (``gradlab.book.student_edition --pdf``).
+  with the solutions removed (``booktools.student_edition --pdf``).
 * **Parts.** The parts' captions in ``_toc.yml`` number themselves ("Part I: Foundations"),
   so LaTeX's own "Part I" line above each is dropped.
 * **bbm.sty.** sphinx-jupyterbook-latex's class loads it; Debian has it only in

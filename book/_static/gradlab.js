@@ -1,7 +1,7 @@
-/* Explorable figures (gradlab.book.interactive): the text alternative of the frame says
+/* Explorable figures (gradlab_book.interactive): the text alternative of the frame says
  * what the figure shows and where each slider stands, "<what it shows> (name = value,
  * ...).", and each slider announces its value label (aria-valuetext), not its index.
- * The figure's own script does this since gradlab.book.interactive learned it; figures
+ * The figure's own script does this since gradlab_book.interactive learned it; figures
  * in notebooks whose outputs were made before (no data-alt on the <img>, or an older
  * wording) get it from here, so every figure of the site reads the same. This runs after
  * the figure's own script, on load and on every move, and writes the same text.

@@ -28,7 +28,7 @@ asserted anywhere; timings depend on the machine.
 
 Example::
 
-    from gradlab.book.benchmark import Case, benchmark_table, format_table
+    from gradlab_book.benchmark import Case, benchmark_table, format_table
     rows = benchmark_table([Case("300 x 10M", 300, 10_000_000)], repeats=5)
     print(format_table(rows))
 """

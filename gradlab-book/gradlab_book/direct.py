@@ -1,6 +1,6 @@
 r"""Figures the reader holds in the hand: closed-form 2-D explorables, in the page.
 
-The frame slideshows of :mod:`gradlab.book.interactive` need torch to compute each
+The frame slideshows of :mod:`gradlab_book.interactive` need torch to compute each
 frame, so they are precomputed. The figures here are closed-form and two-dimensional,
 so a few lines of dependency-free JavaScript compute them exactly, while the reader
 drags a point with the mouse (or a finger, or the arrow keys):
@@ -28,11 +28,12 @@ numbers into ``data-`` attributes of its root element; the browser suite
 (``tests/browser/test_direct_manipulation.py``) drags them and checks those numbers
 against :mod:`gradlab`.
 
-Colours: the book's Okabe-Ito palette (:mod:`gradlab.book.plots`), with a dash
+Colours: the book's Okabe-Ito palette (:mod:`gradlab_book.plots`), with a dash
 pattern per mode as well, so no distinction rests on colour alone.
 
-``python -m gradlab.book.direct`` rewrites the hero figure of the introduction,
-``book/_static/explorables/cliff.html`` (included by ``book/intro.md``).
+:func:`write_hero` writes the hero figure of the introduction; the repository's
+``python -m booktools.hero`` rewrites ``book/_static/explorables/cliff.html`` with it
+(included by ``book/intro.md``).
 """
 
 # The text is typeset maths for readers: γ, τ, − (minus) and – are meant.
@@ -61,7 +62,7 @@ __all__ = [
     "write_hero",
 ]
 
-#: The book's colours (the same as :mod:`gradlab.book.plots`, which needs matplotlib).
+#: The book's colours (the same as :mod:`gradlab_book.plots`, which needs matplotlib).
 PALETTE = {
     "keep": "#0072B2",  # blue: the gradient passes unchanged
     "clip": "#E69F00",  # orange: rescaled or clamped
@@ -77,9 +78,6 @@ PALETTE = {
 #: line :math:`\theta_1 = c + s\,\theta_2`. Its wall term's gradient reaches :math:`Hk/4 = 16`
 #: (the whole gradient's norm about 17); in the valley the norm is between 0 and 2.
 CLIFF_SURFACE = {"a": 0.5, "b": 1.0, "x0": 0.6, "y0": 0.0, "H": 4.0, "k": 16.0, "c": 0.9, "s": 0.3}
-
-_ROOT = Path(__file__).resolve().parents[2]
-HERO_PATH = _ROOT / "book" / "_static" / "explorables" / "cliff.html"
 
 _counter = itertools.count(1)
 
@@ -321,7 +319,7 @@ def norm_ball_html(
 ) -> DirectHTML:
     r"""Clip by norm in 2-D: drag the gradient's tip, see it projected onto the τ-ball.
 
-    ``gradient`` defaults to :func:`gradlab.book.figures.clipping.example_gradient_2d`.
+    ``gradient`` defaults to :func:`gradlab_book.figures.clipping.example_gradient_2d`.
     Modes: ``"clip"`` (:func:`gradlab.clip_grad_norm_`, :math:`g \leftarrow \gamma g`)
     and ``"zero"`` (:func:`gradlab.grad_ignore_norm_`).
     """
@@ -408,7 +406,7 @@ def unit_balls_html(
 ) -> DirectHTML:
     r"""The unit balls of several p-norms; drag a point, read off all its p-norms.
 
-    ``point`` defaults to :func:`gradlab.book.figures.norms.real_gradient_2d`. For each
+    ``point`` defaults to :func:`gradlab_book.figures.norms.real_gradient_2d`. For each
     p of ``ps`` (positive, ``math.inf`` allowed) the figure shows
     :math:`\|v\|_p = (|v_1|^p + |v_2|^p)^{1/p}` (:math:`\max_i |v_i|` for
     :math:`p = \infty`), and for the chosen p the sphere :math:`\|w\|_p = \|v\|_p`
@@ -453,7 +451,7 @@ def unit_balls_html(
     )
 
 
-def write_hero(path: Path = HERO_PATH) -> Path:
+def write_hero(path: Path) -> Path:
     """Write the introduction's hero figure (``cliff_html`` with a fixed id) to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(str(cliff_html(uid="gldm-cliff-hero")) + "\n", encoding="utf-8")
@@ -719,7 +717,7 @@ _CLIFF_JS = r"""
   var GD = window.GradlabDirect;
   GD.cliff = function (root) {
     var cfg = GD.config(root), S = cfg.surface, EPS = cfg.eps, V = cfg.view;
-    // The loss and its gradient, in closed form (see gradlab.book.direct.CLIFF_SURFACE).
+    // The loss and its gradient, in closed form (see gradlab_book.direct.CLIFF_SURFACE).
     function lossGrad(x, y) {
       var u = x - S.x0, v = y - S.y0, z = S.k * (x - S.c - S.s * y);
       var sg = 1 / (1 + Math.exp(-z)), d = S.H * S.k * sg * (1 - sg);
@@ -997,7 +995,7 @@ _VALUECUBE_JS = r"""
 (function () {
   'use strict';
   var GD = window.GradlabDirect;
-  function angle(u, v) {  // degrees, NaN for a zero vector (as gradlab.book's angle_between)
+  function angle(u, v) {  // degrees, NaN for a zero vector (as gradlab_book's angle_between)
     var nu = Math.sqrt(u[0] * u[0] + u[1] * u[1]), nv = Math.sqrt(v[0] * v[0] + v[1] * v[1]);
     if (nu === 0 || nv === 0) { return NaN; }
     var c = (u[0] * v[0] + u[1] * v[1]) / (nu * nv);
@@ -1150,7 +1148,3 @@ _MODULES = {
     "valuecube": _PLANE_JS + _VALUECUBE_JS,
     "unitballs": _PLANE_JS + _UNITBALLS_JS,
 }
-
-
-if __name__ == "__main__":  # pragma: no cover
-    print(f"wrote {write_hero()}")

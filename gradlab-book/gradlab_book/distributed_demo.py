@@ -11,7 +11,7 @@ and for the tests:
     a gradient split by hand across the ranks: each rank's local norm, the global
     norm from :func:`gradlab.get_total_norm` with ``process_group=``, for p = 1, 2,
     inf; each rank's own keep decision at a threshold, and the agreed one
-    (:func:`gradlab._distributed.all_reduce_keep`);
+    (:func:`gradlab.distributed.all_reduce_keep`);
 ``nan_max``
     the pitfall: ``all_reduce`` MAX of a NaN on gloo depends on which rank holds it,
     SUM always propagates it, and a separate non-finite flag (what gradlab does)
@@ -34,7 +34,7 @@ that an executed notebook can compare it cell by cell.
 
 Usage::
 
-    python -m gradlab.book.distributed_demo [--out DIR]
+    python -m gradlab_book.distributed_demo [--out DIR]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradlab
-from gradlab._distributed import all_reduce_keep
+from gradlab.distributed import all_reduce_keep
 
 __all__ = ["WORLD", "main", "report", "run"]
 
@@ -288,7 +288,7 @@ def scenario_guard(rank: int) -> dict:
         decisions = []
         for step in range(STEPS):
             x, y = batch(rank, step)
-            guard.zero_grad()
+            opt.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             decisions.append(guard.step(loss=loss).decision)

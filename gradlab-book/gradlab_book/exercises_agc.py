@@ -1,6 +1,6 @@
 r"""Self-checking exercise of the AGC chapter: unit-wise adaptive gradient clipping.
 
-The conventions of :mod:`gradlab.book.exercises`: :func:`check_agc` takes the
+The conventions of :mod:`gradlab_book.exercises`: :func:`check_agc` takes the
 student's function, runs it on a fixed battery of small, seeded cases and prints one
 short verdict in plain words, ``All N cases pass.`` or the *first* case that fails (its
 input, what was expected, what came back and, where the answer matches a typical
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from gradlab.book.exercises import (
+from gradlab_book.exercises import (
     _answer,
     _identical,
     _num,

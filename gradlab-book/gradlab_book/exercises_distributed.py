@@ -2,7 +2,7 @@ r"""Self-checking exercises of the chapter "Accumulation and many processes".
 
 :func:`check_global_norm` runs a student's ``global_norm(local_norms, p)``, the norm
 of a gradient split across ranks put together from each rank's local norm, on a fixed
-battery of cases, and prints one verdict as :mod:`gradlab.book.exercises` does. The
+battery of cases, and prints one verdict as :mod:`gradlab_book.exercises` does. The
 expected values are computed here, independently, in float64 with :mod:`math`:
 
 .. math::
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gradlab.book.exercises import _answer, _num, _say, _value_text
+from gradlab_book.exercises import _answer, _num, _say, _value_text
 
 __all__ = ["check_global_norm", "expected_global_norm"]
 

@@ -1,6 +1,6 @@
 r"""Self-checking exercises of the mixed-precision chapter (book/scale/mixed_precision).
 
-Same pattern as :mod:`gradlab.book.exercises`: a ``check_*`` function runs the
+Same pattern as :mod:`gradlab_book.exercises`: a ``check_*`` function runs the
 student's answer on a fixed battery of small cases, compares it with a reference
 computed independently in float64 on the host, and prints ``All N cases pass.`` or
 the first case that fails, with what was expected and why. It returns True or
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradlab.book.exercises import _call, _num, _Raised, _say, _tensor_text, _value_text
+from gradlab_book.exercises import _call, _num, _Raised, _say, _tensor_text, _value_text
 
 __all__ = ["FLOAT16_OVERFLOW", "MAX_LOG2_SCALE", "MIN_LOG2_SCALE", "check_max_loss_scale"]
 

@@ -1,6 +1,6 @@
 r"""Self-checking exercises of the chapter on per-sample clipping and differential privacy.
 
-Same pattern as :mod:`gradlab.book.exercises`: a ``check_*`` function runs the
+Same pattern as :mod:`gradlab_book.exercises`: a ``check_*`` function runs the
 student's answer on a fixed battery of small, seeded cases, compares with float64
 mathematics computed here independently (one sample at a time, in plain loops; never
 with :mod:`gradlab.per_sample`), prints ``All N cases pass.`` or the first case that
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradlab.book.exercises import (
+from gradlab_book.exercises import (
     _EPS,
     _answer,
     _num,

@@ -1,6 +1,6 @@
 r"""Self-checking exercises of the loss-spike chapter (book/adaptive/loss_spikes).
 
-Same pattern as :mod:`gradlab.book.exercises`: a ``check_*`` function runs the
+Same pattern as :mod:`gradlab_book.exercises`: a ``check_*`` function runs the
 student's answer on a fixed battery of cases, compares it with a reference computed
 independently in float64 on the host, and prints ``All N cases pass.`` or the first
 case that fails, with what was expected and a hint. It returns True or False and
@@ -17,7 +17,7 @@ import math
 import numbers
 from collections.abc import Callable
 
-from gradlab.book.exercises import _call, _num, _Raised, _say, _value_text
+from gradlab_book.exercises import _call, _num, _Raised, _say, _value_text
 
 __all__ = ["check_suppressed_steps", "reference_suppressed_steps"]
 

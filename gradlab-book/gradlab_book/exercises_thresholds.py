@@ -1,6 +1,6 @@
 r"""Self-checking exercises of Part IV: a threshold from a warm-up window, one ZClip step.
 
-The conventions of :mod:`gradlab.book.exercises`: a ``check_*`` function takes the
+The conventions of :mod:`gradlab_book.exercises`: a ``check_*`` function takes the
 student's function, runs it on a fixed battery of small, seeded cases and prints one
 short verdict in plain words, ``All N cases pass.`` or the *first* case that fails (its
 input, what was expected, what came back and, where the answer matches a typical
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradlab.book.exercises import _answer, _num, _say, _value_text
+from gradlab_book.exercises import _answer, _num, _say, _value_text
 
 __all__ = ["check_warmup_threshold", "check_zclip_step"]
 

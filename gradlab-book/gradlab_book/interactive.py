@@ -24,7 +24,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from gradlab.book.plots import png_bytes
+from gradlab_book.plots import png_bytes
 
 __all__ = ["Control", "Explorable", "explore"]
 

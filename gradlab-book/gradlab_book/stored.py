@@ -1,12 +1,60 @@
-"""The book's stored data files, as the seeded scripts under ``experiments/`` write them."""
+"""The book's stored data files: where they lie, and the writer of the seeded experiments.
+
+The scripts under ``experiments/`` write their results into this package's ``data/``
+folder, which ships with it (package data), so a chapter finds them wherever it runs:
+from a clone, from an installed wheel, on Colab, or opened alone in an empty folder.
+Every module of the book finds a data file through :func:`path`, which asks
+:mod:`importlib.resources` for the installed package's folder, never through its own
+location in a source tree.
+"""
 
 from __future__ import annotations
 
 import json
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_json"]
+__all__ = ["folder", "path", "write_json"]
+
+
+def folder() -> Path:
+    """The folder of the stored data files, ``gradlab_book/data/`` where the package is installed.
+
+    Returns:
+        Path: a folder on disk (pip unpacks a wheel, so the package's files are files).
+
+    Raises:
+        FileNotFoundError: when the package is imported from somewhere without a folder of
+            its own on disk (a zip archive).
+    """
+    data = files(__package__) / "data"
+    if not isinstance(data, Path):
+        raise FileNotFoundError(
+            f"gradlab_book is imported from {files(__package__)!s}, not from a folder: "
+            "install it with pip, which unpacks it"
+        )
+    return data
+
+
+def path(name: str) -> Path:
+    """The stored data file ``name`` (``"norm_traces.json"``, say), which may not exist yet.
+
+    Args:
+        name (str): a file name in :func:`folder`, without any folder part.
+
+    Returns:
+        Path: ``folder() / name``.
+
+    Raises:
+        TypeError: if ``name`` is not a string.
+        ValueError: if ``name`` is empty, names a folder or reaches outside :func:`folder`.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a file name (str), got {type(name).__name__}")
+    if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+        raise ValueError(f"name must be a file name without a folder part, got {name!r}")
+    return folder() / name
 
 
 def write_json(path: Path, data: Any) -> int:
@@ -14,9 +62,14 @@ def write_json(path: Path, data: Any) -> int:
 
     Compact so that the committed files stay small; one trailing newline, as git likes.
 
+    Args:
+        path (Path): the file to write, usually :func:`path` of its name.
+        data: anything :func:`json.dumps` takes.
+
     Returns:
-        The size of the file in bytes.
+        int: the size of the file in bytes.
     """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     return path.stat().st_size

@@ -7,7 +7,8 @@ import torch
 from clip_helpers import assert_all_plus_zero, assert_grads_unchanged, math_norm, snapshot
 
 import gradlab
-from gradlab.book.benchmark import (
+from gradlab.sync import HostReadError, no_host_reads
+from gradlab_book.benchmark import (
     DEFAULT_CASES,
     Case,
     benchmark_table,
@@ -19,7 +20,6 @@ from gradlab.book.benchmark import (
     time_call,
     time_calls,
 )
-from gradlab.sync import HostReadError, no_host_reads
 
 
 def test_make_parameters_sizes_and_seed():

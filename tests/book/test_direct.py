@@ -1,4 +1,4 @@
-"""The direct-manipulation figures' HTML (gradlab.book.direct), without a browser.
+"""The direct-manipulation figures' HTML (gradlab_book.direct), without a browser.
 
 The browser suite (tests/browser/test_direct_manipulation.py) drags them and checks their
 numbers against gradlab; here: the HTML is well formed and self-contained, ids are unique
@@ -16,7 +16,8 @@ from html.parser import HTMLParser
 import pytest
 
 import gradlab
-from gradlab.book import direct, plots
+from booktools import hero
+from gradlab_book import direct, plots
 
 VOID = {"input", "meta", "br", "img", "hr", "link", "source", "col", "wbr"}
 # SVG children the Python side writes self-closed (<line .../>).
@@ -192,7 +193,7 @@ def test_palette_is_the_books():
 
 
 def test_defaults_are_the_chapters_gradients():
-    from gradlab.book.figures import clipping, norms
+    from gradlab_book.figures import clipping, norms
 
     ball = direct.norm_ball_html()
     assert f'"g": {json.dumps(list(clipping.example_gradient_2d()))}' in ball
@@ -251,13 +252,13 @@ def test_unit_balls_offer_every_p():
 
 
 def test_hero_file_is_up_to_date():
-    """book/intro.md includes this file; regenerate with `python -m gradlab.book.direct`."""
-    assert direct.HERO_PATH.is_file()
+    """book/intro.md includes this file; regenerate with `python -m booktools.hero`."""
+    assert hero.HERO_PATH.is_file()
     expected = str(direct.cliff_html(uid="gldm-cliff-hero")) + "\n"
-    assert direct.HERO_PATH.read_text(encoding="utf-8") == expected, (
-        "book/_static/explorables/cliff.html is stale: run `python -m gradlab.book.direct`"
+    assert hero.HERO_PATH.read_text(encoding="utf-8") == expected, (
+        "book/_static/explorables/cliff.html is stale: run `python -m booktools.hero`"
     )
-    intro = (direct.HERO_PATH.parents[2] / "intro.md").read_text(encoding="utf-8")
+    intro = (hero.HERO_PATH.parents[2] / "intro.md").read_text(encoding="utf-8")
     assert ":file: _static/explorables/cliff.html" in intro
 
 

@@ -1,4 +1,4 @@
-"""The chapter's two-process demo (gradlab.book.distributed_demo), run once per module.
+"""The chapter's two-process demo (gradlab_book.distributed_demo), run once per module.
 
 Its numbers are checked against independent computations in this process: float64
 norms of the whole seeded gradient and of its halves, the unsharded model's float64
@@ -22,7 +22,7 @@ dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 
-from gradlab.book import distributed_demo as dd  # noqa: E402
+from gradlab_book import distributed_demo as dd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "gradlab.book.distributed_demo", "--out", str(out)],
+        [sys.executable, "-m", "gradlab_book.distributed_demo", "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,

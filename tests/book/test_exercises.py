@@ -16,7 +16,7 @@ import torch
 from verdicts import assert_fails, assert_passes, run
 
 import gradlab
-from gradlab.book import exercises as ex
+from gradlab_book import exercises as ex
 
 # ------------------------------------------------------------ correct answers
 

@@ -16,8 +16,8 @@ import torch
 from verdicts import assert_fails, assert_passes, run
 
 from gradlab.adaptive import agc_
-from gradlab.book import exercises_agc as ex
-from gradlab.book.exercises_agc import check_agc
+from gradlab_book import exercises_agc as ex
+from gradlab_book.exercises_agc import check_agc
 
 N = len(ex._cases())
 

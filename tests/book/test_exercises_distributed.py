@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradlab.book.exercises_distributed import check_global_norm, expected_global_norm
+from gradlab_book.exercises_distributed import check_global_norm, expected_global_norm
 
 
 def _correct(local_norms, p):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from gradlab.book import exercises_precision as ex
+from gradlab_book import exercises_precision as ex
 
 # ------------------------------------------------------------ correct answers
 

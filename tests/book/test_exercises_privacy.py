@@ -12,8 +12,8 @@ import pytest
 import torch
 from verdicts import assert_fails, assert_passes
 
-from gradlab.book import exercises_privacy as ex
 from gradlab.per_sample import ignore_per_sample_, per_sample_norms
+from gradlab_book import exercises_privacy as ex
 
 
 def _view(keep, g):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradlab.book import exercises_spikes as ex
+from gradlab_book import exercises_spikes as ex
 
 
 def closed_form(ratio, level, beta2):

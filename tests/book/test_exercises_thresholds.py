@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradlab.adaptive import ZClip
-from gradlab.book import exercises_thresholds as ex
+from gradlab_book import exercises_thresholds as ex
 
 # ------------------------------------------------------------ warm-up threshold
 

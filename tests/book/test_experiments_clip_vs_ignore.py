@@ -1,6 +1,6 @@
 """The stored clip-versus-ignore grid reproduces: thresholds, and runs rerun in full.
 
-``book/training/data/clip_vs_ignore_grid.json`` is written by
+``clip_vs_ignore_grid.json`` (:mod:`gradlab_book.stored`) is written by
 ``experiments/clip_vs_ignore_grid.py`` (162 runs, about 20 s on one core). Here a few
 seconds recompute the thresholds and rerun one cell's runs of one seed, and compare
 every stored number bit for bit.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradlab.book.figures import training
+from gradlab_book.figures import training
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The stored RNN experiment reproduces: a prefix of one run, the thresholds, the grid.
 
-``book/training/data/rnn_long_dependency.json`` is written by
+``rnn_long_dependency.json`` (:mod:`gradlab_book.stored`) is written by
 ``experiments/rnn_long_dependency.py`` (about a quarter of an hour on two cores). Here a
 few seconds rerun the beginning of one stored run and compare every stored number.
 """
@@ -12,7 +12,7 @@ import math
 import experiment_scripts
 import pytest
 
-from gradlab.book.figures import rnn
+from gradlab_book.figures import rnn
 
 PREFIX = 200  # steps: two evaluations and eight windows of gradient norms
 

@@ -1,6 +1,6 @@
 """The stored loss-spike experiment reproduces: its corpus, a prefix of a run, the files.
 
-``book/adaptive/data/spikes_*`` are written by ``experiments/char_lm_spikes.py``
+``spikes_*`` (:mod:`gradlab_book.stored`) are written by ``experiments/char_lm_spikes.py``
 (about four minutes on two cores; a quarter of an hour when the machine is
 busier). Here a few seconds rerun the first ``PREFIX`` steps
 of stored runs and compare every stored number. The losses (five significant digits)
@@ -17,7 +17,7 @@ import math
 import experiment_scripts
 import pytest
 
-from gradlab.book.figures import spikes
+from gradlab_book.figures import spikes
 
 PREFIX = 50  # steps: one held-out evaluation after the one at step 0
 RTOL = 1e-4

@@ -9,7 +9,7 @@ import experiment_scripts
 import pytest
 import torch
 
-from gradlab.book.figures import adaptive
+from gradlab_book.figures import adaptive
 
 PREFIX = 40
 

@@ -1,4 +1,4 @@
-"""Tests for gradlab.book.figures.clipping: the data against torch and the math, the figures
+"""Tests for gradlab_book.figures.clipping: the data against torch and the math, the figures
 at every control's extremes, on zero vectors and on NaN gradients."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from gradlab.book import demos
-from gradlab.book.figures import clipping as C
-from gradlab.book.interactive import Control, explore
-from gradlab.book.plots import png_bytes
+from gradlab_book import demos
+from gradlab_book.figures import clipping as C
+from gradlab_book.interactive import Control, explore
+from gradlab_book.plots import png_bytes
 
 NAN = float("nan")
 INF = float("inf")

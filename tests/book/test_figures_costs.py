@@ -1,4 +1,4 @@
-"""Tests of gradlab.book.figures.costs (chapter 9): exact counts, the cost model, figures."""
+"""Tests of gradlab_book.figures.costs (chapter 9): exact counts, the cost model, figures."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from matplotlib.figure import Figure
 
 import gradlab
-from gradlab.book.benchmark import loop_ignore_norm_, loop_ignore_value_, make_parameters
-from gradlab.book.figures import costs
-from gradlab.book.plots import png_bytes
+from gradlab_book.benchmark import loop_ignore_norm_, loop_ignore_value_, make_parameters
+from gradlab_book.figures import costs
+from gradlab_book.plots import png_bytes
 
 # --------------------------------------------------------------------------- counts
 

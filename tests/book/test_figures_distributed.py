@@ -1,4 +1,4 @@
-"""Tests of gradlab.book.figures.distributed: the alpha-beta costs, the JS figure, bars."""
+"""Tests of gradlab_book.figures.distributed: the alpha-beta costs, the JS figure, bars."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from html.parser import HTMLParser
 import pytest
 from matplotlib.figure import Figure
 
-from gradlab.book.figures import distributed as fd
-from gradlab.book.plots import png_bytes
+from gradlab_book.figures import distributed as fd
+from gradlab_book.plots import png_bytes
 
 LINK = fd.Link(alpha_s=2e-6, bandwidth_Bps=1e10)
 

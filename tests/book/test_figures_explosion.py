@@ -7,8 +7,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.demos import backward, tanh_chain
-from gradlab.book.figures import explosion as E
+from gradlab_book.demos import backward, tanh_chain
+from gradlab_book.figures import explosion as E
 
 DEPTHS = (1, 5, 10, 20, 40)
 SCALES = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)

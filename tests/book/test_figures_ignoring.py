@@ -11,8 +11,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.figures import ignoring
-from gradlab.book.plots import png_bytes
+from gradlab_book.figures import ignoring
+from gradlab_book.plots import png_bytes
 
 NORM_GRID = (1.0, 80.0)
 MARGIN_GRID = (0.5, 4.0)
@@ -185,7 +185,7 @@ def test_figures_survive_zero_nan_and_inf_streams(steps):
 
 
 def test_stream_figure_colours_follow_the_decisions(stream):
-    from gradlab.book.plots import IGNORE, KEEP
+    from gradlab_book.plots import IGNORE, KEEP
 
     d = ignoring.norm_decisions(stream, 6.0)
     fig = ignoring.ignore_norm_stream_figure(6.0)

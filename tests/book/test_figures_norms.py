@@ -7,7 +7,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.figures import norms as N
+from gradlab_book.figures import norms as N
 
 PS = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
 MAX_NORMS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0)

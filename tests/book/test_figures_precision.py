@@ -9,8 +9,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.figures import precision
-from gradlab.book.plots import png_bytes
+from gradlab_book.figures import precision
+from gradlab_book.plots import png_bytes
 
 
 def test_formats_are_the_ieee_numbers():

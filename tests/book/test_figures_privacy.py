@@ -10,7 +10,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.figures import privacy as P
+from gradlab_book.figures import privacy as P
 
 opacus = pytest.importorskip("opacus")
 from opacus.accountants import RDPAccountant  # noqa: E402

@@ -1,4 +1,4 @@
-"""Tests of gradlab.book.figures.rnn (the RNN chapter): task, model, training, figures."""
+"""Tests of gradlab_book.figures.rnn (the RNN chapter): task, model, training, figures."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.figures import rnn
-from gradlab.book.plots import png_bytes
+from gradlab_book.figures import rnn
+from gradlab_book.plots import png_bytes
 
 TINY = rnn.Setup(steps=40, n_test=64, eval_every=10, stride=5, calibration_steps=10)
 THRESHOLDS = {"norm": 0.5, "value": 0.2}

@@ -7,8 +7,9 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.figures import skipping
-from gradlab.book.plots import png_bytes
+from gradlab.sync import HostReadCounter
+from gradlab_book.figures import skipping
+from gradlab_book.plots import png_bytes
 
 
 @pytest.mark.parametrize("optimizer", sorted(skipping.OPTIMIZERS))
@@ -73,7 +74,7 @@ def test_host_reads(sync, expected):
 
 
 def test_host_read_counter_counts_item():
-    with skipping.HostReadCounter() as counter:
+    with HostReadCounter() as counter:
         torch.ones(()).item()
         bool(torch.ones(()) > 0)
         torch.ones(3) * 2

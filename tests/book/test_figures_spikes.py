@@ -14,7 +14,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.figures import spikes
+from gradlab_book.figures import spikes
 
 
 def test_spike_starts_by_hand():

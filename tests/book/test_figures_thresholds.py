@@ -1,4 +1,4 @@
-"""Tests of gradlab.book.figures.thresholds (Part IV: choosing and monitoring a threshold).
+"""Tests of gradlab_book.figures.thresholds (Part IV: choosing and monitoring a threshold).
 
 The computations are checked against numpy and float64 arithmetic written here, and
 the guarded training runs against a plain loop with torch.nn.utils.clip_grad_norm_.
@@ -13,10 +13,10 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book import demos
-from gradlab.book.figures import adaptive
-from gradlab.book.figures import thresholds as th
-from gradlab.book.plots import png_bytes
+from gradlab_book import demos
+from gradlab_book.figures import adaptive
+from gradlab_book.figures import thresholds as th
+from gradlab_book.plots import png_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests of gradlab.book.figures.training (chapter 7): the experiment's pieces and figures."""
+"""Tests of gradlab_book.figures.training (chapter 7): the experiment's pieces and figures."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.demos import small_mlp
-from gradlab.book.figures import training
-from gradlab.book.plots import png_bytes
+from gradlab_book.demos import small_mlp
+from gradlab_book.figures import training
+from gradlab_book.plots import png_bytes
 
 TINY = training.Setup(n_train=32, n_test=16, batch=8, steps=6, eval_every=2)
 

@@ -9,8 +9,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from gradlab.book.interactive import MAX_FRAMES, Control, explore
-from gradlab.book.plots import new_figure, png_bytes, use_book_style
+from gradlab_book.interactive import MAX_FRAMES, Control, explore
+from gradlab_book.plots import new_figure, png_bytes, use_book_style
 
 
 def line_figure(slope, offset=0.0):

@@ -6,7 +6,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from gradlab.book import myst_compat as mc
+from booktools import myst_compat as mc
 
 ROOT = mc.ROOT
 HERE = ROOT / "book" / "algorithms" / "some_chapter.ipynb"  # where the text "lives"
@@ -102,4 +102,4 @@ def test_notebook_gets_a_references_cell_and_folded_gated_code(tmp_path):
 def test_the_book_is_converted():
     """Every page and notebook is written the portable way (run the module if not)."""
     pending = [p for p in mc.book_files() if mc.main([str(p), "--check"])]
-    assert pending == [], "run: .venv/bin/python -m gradlab.book.myst_compat"
+    assert pending == [], "run: .venv/bin/python -m booktools.myst_compat"

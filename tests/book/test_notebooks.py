@@ -5,7 +5,7 @@ import re
 import nbformat
 import pytest
 
-from gradlab.book import headers
+from booktools import headers
 
 NOTEBOOKS = headers.notebooks()
 IGNORE_MARK = "# NBVAL_IGNORE_OUTPUT"
@@ -18,7 +18,7 @@ def test_there_are_chapters():
 
 def test_every_notebook_carries_the_current_header():
     assert headers.stale(headers.macro_cell_source()) == [], (
-        "run: .venv/bin/python -m gradlab.book.headers"
+        "run: .venv/bin/python -m booktools.headers"
     )
 
 

@@ -19,7 +19,7 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from gradlab.book import student_edition as se
+from booktools import student_edition as se
 
 ROOT = se.ROOT
 
@@ -72,7 +72,7 @@ def test_unbalanced_markers_are_an_error(source):
 
 
 def test_check_cells_are_recognised_by_the_exercise_checks():
-    from gradlab.book import exercises, exercises_precision
+    from gradlab_book import exercises, exercises_precision
 
     assert set(exercises.__all__) <= set(se.CHECKS)
     assert "check_max_loss_scale" in se.CHECKS  # a chapter's own module counts too
@@ -131,7 +131,7 @@ def test_gated_markdown_spans_cells_and_must_end():
 
 
 def test_stubs_are_unfolded_for_the_student():
-    """gradlab.book.myst_compat folds a gated solution's code for JupyterLab; the stub
+    """booktools.myst_compat folds a gated solution's code for JupyterLab; the stub
     that replaces it in the student edition is shown."""
     solution = new_code_cell("def f():\n    ### BEGIN SOLUTION\n    pass\n    ### END SOLUTION")
     solution.metadata["jupyter"] = {"source_hidden": True}
@@ -172,7 +172,7 @@ def _chapter_a():
         cells=[
             new_markdown_cell("# Chapter Alpha\n\nThe word zebracorn is indexed for search."),
             new_code_cell(
-                "import torch\n\nfrom gradlab.book.exercises import check_grad_ignore_value\n\n"
+                "import torch\n\nfrom gradlab_book.exercises import check_grad_ignore_value\n\n"
                 'torch.manual_seed(0)\nprint("setup ok")'
             ),
             new_markdown_cell(
@@ -214,7 +214,7 @@ def _chapter_b():
         cells=[
             new_markdown_cell("# Chapter Beta"),
             new_code_cell(
-                "from gradlab.book.exercises import (\n"
+                "from gradlab_book.exercises import (\n"
                 "    check_clip_grad_value,\n"
                 "    check_threshold_choice,\n"
                 ")\n\n"

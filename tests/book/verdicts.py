@@ -1,4 +1,4 @@
-"""Assertions on the verdict of a self-check (``gradlab.book.exercises*``), for its tests."""
+"""Assertions on the verdict of a self-check (``gradlab_book.exercises*``), for its tests."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ import torch
 from booksite import NODE_MODULES, toc_docnames
 
 import gradlab
-from gradlab.book import direct
 from gradlab.clip import EPS
+from gradlab_book import direct
 
 INTRO = toc_docnames()[0]
 REL = 1e-9

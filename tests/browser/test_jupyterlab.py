@@ -553,7 +553,7 @@ STUDENT_CHAPTER = "book/algorithms/clip_norm"
 
 
 def test_student_edition_reads_the_same_with_its_stubs(lab, lab_shots):
-    from gradlab.book import student_edition
+    from booktools import student_edition
 
     out = JUPYTERLAB_ROOT / "test-artifacts" / "jupyterlab-student"  # under the lab's root
     student_edition.build_student_edition(out, root=JUPYTERLAB_ROOT, html=False, quiet=True)

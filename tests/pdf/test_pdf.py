@@ -229,7 +229,7 @@ def expected_images(edition: str) -> dict[str, int]:
     """Images each chapter should have, by chapter title (the solutions' in "Solutions")."""
     import nbformat
 
-    from gradlab.book.student_edition import strip_notebook
+    from booktools.student_edition import strip_notebook
 
     counts: dict[str, int] = {}
     for _, _, files in toc_parts(edition):
@@ -263,7 +263,7 @@ def solution_chunks() -> list[str]:
     """
     import nbformat
 
-    from gradlab.book import student_edition as se
+    from booktools import student_edition as se
 
     removed: list[str] = []
     student_text = []

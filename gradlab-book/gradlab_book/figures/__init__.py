@@ -2,5 +2,5 @@
 
 One module per topic. Each separates the computation (tested against torch and the
 math) from the drawing, so a notebook cell is a single call and every figure can be
-precomputed for the static page with :func:`gradlab.book.interactive.explore`.
+precomputed for the static page with :func:`gradlab_book.interactive.explore`.
 """

@@ -2,11 +2,11 @@ r"""Part IV: adaptive thresholds (book/adaptive/adaptive_thresholds) and AGC (bo
 
 *Adaptive thresholds.* Two recorded gradient-norm traces from real runs of the book's
 models, written by ``experiments/record_norm_traces.py`` into
-``book/adaptive/data/norm_traces.json``:
+``norm_traces.json`` (stored in the package, :mod:`gradlab_book.stored`):
 
 ``mlp``   the small MLP of book/training/clip_vs_ignore, uncontrolled, with 5% corrupted
-          batches (:func:`gradlab.book.figures.training.train_run`), 600 steps;
-``tanh``  a 16-layer tanh chain (:func:`gradlab.book.demos.tanh_chain`, weights at twice
+          batches (:func:`gradlab_book.figures.training.train_run`), 600 steps;
+``tanh``  a 16-layer tanh chain (:func:`gradlab_book.demos.tanh_chain`, weights at twice
           the classic scale) fitting a teacher chain with plain SGD at a high learning
           rate, 600 steps: its typical norm falls about ninefold and it spikes on its own.
 
@@ -39,10 +39,9 @@ from torch import Tensor, nn
 
 import gradlab
 from gradlab.adaptive import AutoClip, SigmaSkip, ZClip, agc_
-from gradlab.book import demos
-from gradlab.book.figures import training
-from gradlab.book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
-from gradlab.clip import _keep_by_norm
+from gradlab_book import demos, stored
+from gradlab_book.figures import training
+from gradlab_book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
 
 __all__ = [
     "DATA_PATH",
@@ -70,7 +69,7 @@ __all__ = [
     "zclip_figure",
 ]
 
-DATA_PATH = Path(__file__).resolve().parents[3] / "book/adaptive/data/norm_traces.json"
+DATA_PATH = stored.path("norm_traces.json")
 
 #: The recorded traces, in the order they are drawn, with their titles.
 TRACES = {
@@ -184,8 +183,9 @@ def replay(
     """Run ``policy`` over a norm trace as ``StepGuard(mode=mode, threshold=policy)`` does.
 
     At each step: ``tau = policy.threshold(x)``; the step is *within* when
-    ``tau / (x + 1e-6) >= 1``, rounded as torch rounds its clip coefficient (the test
-    of :func:`gradlab.grad_ignore_norm_` and of the guard, called here; False for NaN).
+    ``tau / x >= 1``, rounded as torch rounds its clip coefficient
+    (:func:`gradlab.keep_by_norm` with ``eps=0``, as the guard compares a policy's
+    threshold, called here; False for NaN).
     In ``"clip"`` mode a step that is not within is clipped and still accepted unless
     ``x`` is not finite (then it is skipped); in ``"skip"`` mode it is skipped.
     Then ``policy.update(x, accepted)``.
@@ -207,7 +207,7 @@ def replay(
         x = torch.tensor(float(value), dtype=policy.dtype)
         edges[t] = math.nan if boundary is None else boundary(policy)
         tau = policy.threshold(x)
-        within = bool(_keep_by_norm(tau, x))
+        within = bool(gradlab.keep_by_norm(x, tau, eps=0.0))
         ok = within if mode == "skip" else math.isfinite(float(value))
         policy.update(x, torch.tensor(ok))
         taus[t], acted[t], accepted[t] = float(tau), not within, ok

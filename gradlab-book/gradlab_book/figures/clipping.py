@@ -29,8 +29,8 @@ from matplotlib.patches import Circle, Rectangle
 from torch import Tensor, nn
 
 import gradlab
-from gradlab.book.demos import grad_holders
-from gradlab.book.plots import CLIP, KEEP, NONE, THRESHOLD, new_figure
+from gradlab_book.demos import grad_holders
+from gradlab_book.plots import CLIP, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
     "LayerClamping",

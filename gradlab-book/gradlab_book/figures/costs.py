@@ -6,7 +6,7 @@ Two kinds of numbers:
   a call dispatches, how many tensors those operators touch, and how many times a
   value is read back on the host (:func:`gradlab.sync.is_read_op`), all seen through a
   :class:`~torch.utils._python_dispatch.TorchDispatchMode`;
-* **timings**, which depend on the machine: taken with :mod:`gradlab.book.benchmark`
+* **timings**, which depend on the machine: taken with :mod:`gradlab_book.benchmark`
   (median of repeats, after a warm-up, every implementation interleaved with the
   others).
 
@@ -33,15 +33,15 @@ from matplotlib.figure import Figure
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradlab
-from gradlab.book.benchmark import (
+from gradlab.sync import is_read_op
+from gradlab_book.benchmark import (
     floor_norm,
     loop_ignore_norm_,
     loop_ignore_value_,
     make_parameters,
     time_calls,
 )
-from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
-from gradlab.sync import is_read_op
+from gradlab_book.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -204,10 +204,10 @@ def time_sweep(
 ) -> Sweep:
     """Time every implementation, and the one-pass floor, at each number of tensors.
 
-    The floor is :func:`gradlab.book.benchmark.floor_norm` on one flat tensor holding all
+    The floor is :func:`gradlab_book.benchmark.floor_norm` on one flat tensor holding all
     ``n_elements`` numbers: the least any total-norm computation can cost. At each
     number of tensors the floor and the implementations are timed interleaved
-    (:func:`gradlab.book.benchmark.time_calls`, median of ``repeats`` rounds), so that
+    (:func:`gradlab_book.benchmark.time_calls`, median of ``repeats`` rounds), so that
     whatever else the machine is doing slows them alike and the ratios stay fair.
     """
     implementations = IMPLEMENTATIONS if implementations is None else implementations

@@ -19,7 +19,7 @@ Two kinds of content:
   (dependency-free JavaScript, the reader holds the sliders);
 * the **shard norms** of the chapter's FSDP2 demo against the global norm, as a bar
   chart (:func:`shard_norm_figure`), from the summary that
-  :mod:`gradlab.book.distributed_demo` writes.
+  :mod:`gradlab_book.distributed_demo` writes.
 
 The link figures in :data:`HYPOTHETICAL_LINK` are round, made-up numbers for the
 arithmetic, not measurements of any machine.
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 from matplotlib.figure import Figure
 
-from gradlab.book.direct import PALETTE, DirectHTML
-from gradlab.book.plots import CLIP, KEEP, NONE, new_figure
+from gradlab_book.direct import PALETTE, DirectHTML
+from gradlab_book.plots import CLIP, KEEP, NONE, new_figure
 
 __all__ = [
     "DECISION_BYTES",

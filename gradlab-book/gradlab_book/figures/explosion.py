@@ -26,9 +26,9 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from gradlab.book.demos import regression_data, small_mlp, tanh_chain
-from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
 from gradlab.clip import get_total_norm
+from gradlab_book.demos import regression_data, small_mlp, tanh_chain
+from gradlab_book.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
     "ChainGradients",
@@ -145,7 +145,7 @@ def chain_gradients(
     r"""Backpropagate an MSE loss through ``tanh_chain(depth, width, weight_scale)``.
 
     The input and target are standard normal (seeded). The gradients of the
-    weights are those of ``gradlab.book.demos.backward(model, x, y)``, computed in float64
+    weights are those of ``gradlab_book.demos.backward(model, x, y)``, computed in float64
     so that a signal vanishing like :math:`0.25^{40}` does not underflow to zero; the
     forward pass is unrolled here only to keep the hidden states :math:`h_l`.
     """

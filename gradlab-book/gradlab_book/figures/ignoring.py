@@ -2,7 +2,7 @@ r"""Ignoring by norm and by value (taught in book/algorithms/ignore_norm and ign
 
 Compute functions return plain numbers in frozen dataclasses; figure functions draw
 them and nothing else. The gradients are real: :func:`minibatch_stream` trains a
-small MLP from :mod:`gradlab.book.demos` for a while and then records the gradient of a
+small MLP from :mod:`gradlab_book.demos` for a while and then records the gradient of a
 stream of minibatches, a few of which are corrupted on purpose. That is the slow
 part, so it is computed once per set of arguments and cached; moving a threshold
 only re-runs the decisions, and every decision is made by calling the real
@@ -33,8 +33,8 @@ from matplotlib.patches import Patch, Rectangle
 from torch import Tensor
 
 import gradlab
-from gradlab.book import demos
-from gradlab.book.plots import CLIP, IGNORE, KEEP, THRESHOLD, new_figure
+from gradlab_book import demos
+from gradlab_book.plots import CLIP, IGNORE, KEEP, THRESHOLD, new_figure
 
 __all__ = [
     "KINDS",

@@ -22,9 +22,9 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from gradlab.book.demos import grad_holders, regression_data, small_mlp
-from gradlab.book.plots import CLIP, KEEP, NONE, THRESHOLD, new_figure
 from gradlab.clip import clip_grad_norm_, get_total_norm
+from gradlab_book.demos import grad_holders, regression_data, small_mlp
+from gradlab_book.plots import CLIP, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
     "GroupClipping",

@@ -10,7 +10,7 @@ scale. The computations here (:func:`formats`, :func:`fates`,
 :func:`autocast_gradients`) return plain numbers, decided by torch's own casts and
 autocast; :func:`scale_figure` only draws.
 
-The chapter's model is a deep ``tanh`` chain (:func:`gradlab.book.demos.tanh_chain`,
+The chapter's model is a deep ``tanh`` chain (:func:`gradlab_book.demos.tanh_chain`,
 12 layers of width 32, weights :math:`0.4/\sqrt{32}`): its gradients shrink layer by
 layer and span ten decades, like the gradients of a deep network late in training.
 """
@@ -27,8 +27,8 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from gradlab.book import demos
-from gradlab.book.plots import CLIP, IGNORE, KEEP, SKIP, new_figure
+from gradlab_book import demos
+from gradlab_book.plots import CLIP, IGNORE, KEEP, SKIP, new_figure
 
 __all__ = [
     "DEPTH",

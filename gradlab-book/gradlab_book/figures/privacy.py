@@ -21,7 +21,7 @@ gradient; :func:`clip_ignore_figure` draws one threshold of it.
 steps) from Opacus's RDP accountant; :func:`epsilon_figure` draws them.
 
 *Costs.* :func:`load_costs` reads the stored run of ``benchmarks/bench_per_sample.py``
-(``book/scale/data/per_sample_costs.json``).
+(``per_sample_costs.json``, :mod:`gradlab_book.stored`).
 
 Compute functions return plain numbers, lists and numpy arrays; figure functions draw them.
 """
@@ -44,8 +44,9 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
 from gradlab.per_sample import clip_per_sample_, ignore_per_sample_
+from gradlab_book import stored
+from gradlab_book.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
     "COSTS_PATH",
@@ -63,7 +64,7 @@ __all__ = [
     "trained_model",
 ]
 
-COSTS_PATH = Path(__file__).resolve().parents[3] / "book/scale/data/per_sample_costs.json"
+COSTS_PATH = stored.path("per_sample_costs.json")
 
 D_IN, HIDDEN, CLASSES = 8, 16, 3
 TEACHER_SEED = 1234

@@ -18,7 +18,7 @@ Plain SGD (no momentum), as in the paper, with five ways of handling its gradien
 
 The long runs come from ``experiments/rnn_long_dependency.py``, which calls
 :func:`train_run` for every (length, method, seed) and writes
-``book/training/data/rnn_long_dependency.json``; :func:`load_results` reads it back.
+``rnn_long_dependency.json`` (:mod:`gradlab_book.stored`); :func:`load_results` reads it back.
 Compute functions return plain numbers and lists; figure functions draw them.
 """
 
@@ -37,7 +37,8 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 import gradlab
-from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_figure
+from gradlab_book import stored
+from gradlab_book.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_figure
 
 __all__ = [
     "DATA_PATH",
@@ -89,7 +90,7 @@ STYLES = {
     "skip": ":",
 }
 
-DATA_PATH = Path(__file__).resolve().parents[3] / "book/training/data/rnn_long_dependency.json"
+DATA_PATH = stored.path("rnn_long_dependency.json")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 r"""Zeroing a gradient is not skipping a step (taught in book/training/skip_step).
 
-Three runs of the same small MLP from :mod:`gradlab.book.demos` see the same clean
+Three runs of the same small MLP from :mod:`gradlab_book.demos` see the same clean
 minibatches; two of them also see one bad batch (targets a thousand times too
 large) part-way through:
 
@@ -27,15 +27,14 @@ from matplotlib.figure import Figure
 from torch import nn
 
 import gradlab
-from gradlab.book import demos
-from gradlab.book.plots import IGNORE, SKIP, new_figure
 from gradlab.sync import HostReadCounter
+from gradlab_book import demos
+from gradlab_book.plots import IGNORE, SKIP, new_figure
 
 __all__ = [
     "HOST_READ_OPTIMIZERS",
     "OPTIMIZERS",
     "Drift",
-    "HostReadCounter",
     "drift_after_bad_batch",
     "drift_comparison_figure",
     "drift_figure",

@@ -2,7 +2,7 @@ r"""Loss spikes in a small character language model (book/adaptive/loss_spikes).
 
 The runs come from ``experiments/char_lm_spikes.py``, which trains a small GPT-style
 character model with AdamW at a learning rate where its loss spikes, under seven
-ways of controlling the step, and writes three files under ``book/adaptive/data/``:
+ways of controlling the step, and writes three files of :mod:`gradlab_book.stored`:
 ``spikes_runs.json`` (every step of every run), ``spikes_table.csv`` (one row per
 method and seed) and ``spikes_costs.json`` (that machine's timings). This module
 reads them back, computes what the chapter shows from them, and draws it; it holds
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from gradlab.book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
+from gradlab_book import stored
+from gradlab_book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
 
 __all__ = [
     "COSTS_PATH",
-    "DATA_DIR",
     "RUNS_PATH",
     "TABLE_PATH",
     "adam_after_spike",
@@ -58,10 +58,9 @@ __all__ = [
     "table_lines",
 ]
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "book" / "adaptive" / "data"
-RUNS_PATH = DATA_DIR / "spikes_runs.json"
-TABLE_PATH = DATA_DIR / "spikes_table.csv"
-COSTS_PATH = DATA_DIR / "spikes_costs.json"
+RUNS_PATH = stored.path("spikes_runs.json")
+TABLE_PATH = stored.path("spikes_table.csv")
+COSTS_PATH = stored.path("spikes_costs.json")
 
 #: Colours of the methods (the book's decision colours where a method has one).
 COLOURS = {

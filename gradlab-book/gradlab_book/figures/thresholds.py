@@ -1,7 +1,7 @@
 r"""Part IV: choosing and monitoring a threshold (book/adaptive/choosing_threshold).
 
-*A logged run.* The book's two-layer MLP (:func:`gradlab.book.demos.small_mlp`, 8 inputs,
-32 hidden units) fits a noisy linear teacher (:func:`gradlab.book.demos.regression_data`,
+*A logged run.* The book's two-layer MLP (:func:`gradlab_book.demos.small_mlp`, 8 inputs,
+32 hidden units) fits a noisy linear teacher (:func:`gradlab_book.demos.regression_data`,
 512 samples, label noise 0.5) by SGD with momentum 0.9, on minibatches of 32 drawn with
 replacement. :func:`batches` can make some batches bad (targets ``BAD_SCALE`` times too
 large) or non-finite (a NaN input). :func:`train` runs it under a
@@ -9,7 +9,7 @@ large) or non-finite (a NaN input). :func:`train` runs it under a
 step's norm and decision; :func:`lr_sweep` does so over learning rates.
 
 *Recorded traces.* The norm traces of ``book/adaptive/data/norm_traces.json`` (see
-:mod:`gradlab.book.figures.adaptive`): :func:`early_threshold` sets a threshold from
+:mod:`gradlab_book.figures.adaptive`): :func:`early_threshold` sets a threshold from
 the first steps of a trace, :func:`drift_rates` measures how often the trace is over it
 right after that warm-up and at the end, :func:`drift_figure` draws it.
 
@@ -33,9 +33,9 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from gradlab import StepGuard
-from gradlab.book import demos
-from gradlab.book.figures.adaptive import TRACES
-from gradlab.book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
+from gradlab_book import demos
+from gradlab_book.figures.adaptive import TRACES
+from gradlab_book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
 
 __all__ = [
     "BAD_SCALE",
@@ -146,7 +146,7 @@ def train(
     for _, xb, yb in batches(x, y, steps, seed, bad, nan):
         demos.backward(model, xb, yb)
         guard.step()
-        guard.zero_grad()
+        optimizer.zero_grad()
     records = guard.history
     return {
         "norms": np.array([r.total_norm for r in records]),

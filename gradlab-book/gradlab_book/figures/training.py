@@ -12,7 +12,7 @@ gradient are compared on the *same* batches (paired by seed):
 ``ignore_norm``   :func:`gradlab.grad_ignore_norm_` at ``tau_norm``, then ``optimizer.step()``
                   (the gradient is zeroed, the momentum buffer still moves the weights);
 ``ignore_value``  :func:`gradlab.grad_ignore_value_` at ``tau_value``, then the step;
-``skip``          :class:`gradlab.skip.StepGuard` in ``mode="skip"``: the step is not taken.
+``skip``          :class:`gradlab.StepGuard` in ``mode="skip"``: the step is not taken.
 
 Thresholds are *matched* by calibration: ``tau_norm`` and ``tau_value`` are the same
 percentile of the total 2-norm and of the largest absolute entry, measured on clean
@@ -24,7 +24,7 @@ Compute functions return plain numbers and numpy arrays; figure functions draw t
 
 The grid of the chapter's explorable (every method at three thresholds and three
 corruption rates) is computed by ``experiments/clip_vs_ignore_grid.py`` and stored in
-``book/training/data/clip_vs_ignore_grid.json``; :func:`load_grid` reads it back.
+``clip_vs_ignore_grid.json`` (:mod:`gradlab_book.stored`); :func:`load_grid` reads it back.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 import gradlab
-from gradlab.book.demos import mse_or_inf, regression_data, small_mlp
-from gradlab.book.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_figure
-from gradlab.skip import StepGuard
+from gradlab.guard import StepGuard
+from gradlab_book import stored
+from gradlab_book.demos import mse_or_inf, regression_data, small_mlp
+from gradlab_book.plots import CLIP, IGNORE, KEEP, NONE, SKIP, THRESHOLD, new_figure
 
 __all__ = [
     "FAIL_FACTOR",
@@ -368,7 +369,7 @@ def experiment_grid(
 
 
 #: The stored grid of the chapter's explorable, written by experiments/clip_vs_ignore_grid.py.
-GRID_PATH = Path(__file__).resolve().parents[3] / "book/training/data/clip_vs_ignore_grid.json"
+GRID_PATH = stored.path("clip_vs_ignore_grid.json")
 
 
 def _bits(mask: np.ndarray) -> str:
