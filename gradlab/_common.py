@@ -33,6 +33,7 @@ __all__ = [
     "check_flag",
     "check_foreach",
     "check_int",
+    "check_keep",
     "check_norm_type",
     "check_process_group",
     "check_real",
@@ -86,6 +87,20 @@ def check_threshold_or_tensor(name: str, value: object) -> Threshold:
             f"got shape {tuple(value.shape)} and dtype {value.dtype}"
         )
     return value
+
+
+def check_keep(keep: object) -> Tensor | bool:
+    """``keep`` if it is a bool or a 0-dim bool tensor (the form of every skip decision)."""
+    if isinstance(keep, bool):
+        return keep
+    if not (isinstance(keep, Tensor) and keep.dim() == 0 and keep.dtype == torch.bool):
+        shape = tuple(keep.shape) if isinstance(keep, Tensor) else None
+        dtype = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
+        raise ValueError(
+            "keep must be a 0-dim torch.bool tensor (such as gradlab.keep_by_norm returns) "
+            f"or a bool, got {dtype} of shape {shape}"
+        )
+    return keep
 
 
 def check_norm_type(norm_type: object) -> float:

@@ -29,6 +29,7 @@ from gradlab._common import (
     EPS,
     check_flag,
     check_int,
+    check_keep,
     check_norm_type,
     check_process_group,
     check_threshold,
@@ -484,7 +485,13 @@ class StepGuard:
 
     # ------------------------------------------------------------------------ step
 
-    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> StepRecord:
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        loss: Any = None,
+        keep: Tensor | bool | None = None,
+    ) -> StepRecord:
         """Measure the gradients, then take, clip or skip the optimizer step.
 
         Args:
@@ -495,6 +502,10 @@ class StepGuard:
             loss (Tensor or float, optional): the batch's loss, a number or a 0-dim
                 tensor, compared with ``loss_threshold`` (the closure's return value
                 when not given). Default: None
+            keep (Tensor or bool, optional): a further condition on the device, a 0-dim
+                bool tensor: the step is skipped where it is false, as by the guard's
+                own rule (``kept > 0`` from :meth:`MicroBatchAccumulator.finish_`, a
+                check of your own). Default: None
 
         Returns:
             StepRecord: the record of this step.
@@ -515,6 +526,8 @@ class StepGuard:
             if self._scaler is not None and self._scaler.is_enabled():
                 raise ValueError("closure cannot be used with an enabled GradScaler")
         loss_t = self._check_loss(loss, required=closure is None)
+        if keep is not None:
+            keep = check_keep(keep)
         closure_loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -524,13 +537,13 @@ class StepGuard:
         params = self._params_with_grad()
         found_inf = self._scaler_found_inf(params)
         with torch.no_grad():
-            stat, keep, clipped = self._decide(params, loss_t, found_inf)
+            stat, taken, clipped = self._decide(params, loss_t, found_inf, keep)
             if self.sync:
-                keep, clipped = _read_decision(keep, clipped)
-            output = self._step(keep, closure, closure_loss, params, stat)
-            self._update_policies(stat, keep, loss_t)
-            self._count(keep, clipped)
-        record = StepRecord(self._steps, stat, keep, clipped, output)
+                taken, clipped = _read_decision(taken, clipped)
+            output = self._step(taken, closure, closure_loss, params, stat)
+            self._update_policies(stat, taken, loss_t)
+            self._count(taken, clipped)
+        record = StepRecord(self._steps, stat, taken, clipped, output)
         self._steps += 1
         self._last = record
         self._recent.append(stat)
@@ -575,13 +588,17 @@ class StepGuard:
         return params
 
     def _decide(
-        self, params: list[Tensor], loss: Tensor | None, found_inf: Tensor | None
+        self,
+        params: list[Tensor],
+        loss: Tensor | None,
+        found_inf: Tensor | None,
+        condition: Tensor | bool | None = None,
     ) -> tuple[Tensor, Tensor | bool, Tensor | bool]:
         """(statistic, keep, clipped) on the device; clips in ``"clip"`` mode. No read."""
         grads = [p.grad for p in params]
         stat = get_total_norm(grads, self.norm_type, process_group=self._norm_group)
         if self.mode == "none":
-            return stat, True, False
+            return stat, True if condition is None else condition, False
         tau = self._threshold if self._policy is None else self._policy.threshold(stat)
         within = self._within(stat, tau, self._policy is not None)
         if self.mode == "skip":
@@ -599,8 +616,10 @@ class StepGuard:
             keep = keep & (loss.double() <= _as_float64(limit))
         if found_inf is not None:
             keep = keep & (found_inf == 0)
+        if condition is not None:
+            keep = keep & condition
         if self._max_skips is not None and self._on_limit == "take":
-            forced = self._forced_at_limit(keep, stat, loss, found_inf)
+            forced = self._forced_at_limit(keep, stat, loss, found_inf, condition)
             if forced is not None:
                 if self.mode == "skip":  # clip mode has clipped already
                     self._clip(params, stat, torch.where(forced, _as_float64(tau), math.inf))
@@ -627,8 +646,12 @@ class StepGuard:
         stat: Tensor,
         loss: Tensor | None,
         found_inf: Tensor | None,
+        condition: Tensor | bool | None,
     ) -> Tensor | None:
         """Whether this step is over the limit and finite, so taken anyway (None: not).
+
+        Never a step with a non-finite statistic or loss, an overflow, or the caller's
+        ``keep`` false.
 
         With ``sync=True`` the run is known on the host, and None says the run has not
         reached the limit. The run before this step is ``steps - 1 - last_taken``.
@@ -640,6 +663,8 @@ class StepGuard:
             finite = finite & torch.isfinite(loss)
         if found_inf is not None:
             finite = finite & (found_inf == 0)
+        if condition is not None:
+            finite = finite & condition
         forced = finite & torch.logical_not(keep)
         if not self.sync:
             forced = forced & torch.lt(self._last_taken, self._steps - self._max_skips)

@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 from torch.optim import optimizer as _optim_module
 
-from gradlab._common import SAME_WIDTH_INT, check_flag, constant, select_bits_
+from gradlab._common import SAME_WIDTH_INT, check_flag, check_keep, constant, select_bits_
 
 __all__ = ["step_if_"]
 
@@ -127,7 +127,7 @@ def step_if_(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    keep = _check_keep(keep)
+    keep = check_keep(keep)
     if closure is not None and not callable(closure):
         raise ValueError(f"closure must be callable or None, got {type(closure).__name__}")
     check_flag("sync", sync)
@@ -142,19 +142,6 @@ def step_if_(
             "step_if_(sync=False) cannot snapshot SparseAdam's sparse state; use sync=True"
         )
     return _snapshot_of(optimizer).step_if(keep, lambda: _step(optimizer, closure))
-
-
-def _check_keep(keep: object) -> Tensor | bool:
-    if isinstance(keep, bool):
-        return keep
-    if not (isinstance(keep, Tensor) and keep.dim() == 0 and keep.dtype == torch.bool):
-        shape = tuple(keep.shape) if isinstance(keep, Tensor) else None
-        dtype = keep.dtype if isinstance(keep, Tensor) else type(keep).__name__
-        raise ValueError(
-            "keep must be a 0-dim torch.bool tensor (such as gradlab.keep_by_norm returns) "
-            f"or a bool, got {dtype} of shape {shape}"
-        )
-    return keep
 
 
 def _step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:

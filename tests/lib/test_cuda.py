@@ -2,7 +2,7 @@
 
 ``torch.cuda.set_sync_debug_mode("error")`` makes every call that waits for the GPU
 raise, so the no-sync rule is checked by CUDA itself here, not only by the dispatch
-mode of test_nosync.py.
+mode of test_clip_nosync.py.
 """
 
 import contextlib

@@ -7,10 +7,17 @@ the guard's documented reads.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from optimizer_zoo import (
+    EAGER_STATE,
+    OPTIMIZERS,
+    Hooks,
+    assert_identical,
+    batches_of,
+    corrupt,
+    model_for,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -20,73 +27,11 @@ from gradlab.sync import HostReadCounter
 
 optim = torch.optim
 
-#: name -> (factory, host reads of a bare step per parameter with a gradient).
-OPTIMIZERS = {
-    "SGD": (lambda p: optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.1), 0),
-    "SGD-nesterov": (lambda p: optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True), 0),
-    "SGD-fused": (lambda p: optim.SGD(p, lr=0.05, momentum=0.9, fused=True), 0),
-    "Adam": (lambda p: optim.Adam(p, lr=0.01, weight_decay=0.01), 1),
-    "Adam-single-tensor": (lambda p: optim.Adam(p, lr=0.01, foreach=False), 1),
-    "Adam-amsgrad": (lambda p: optim.Adam(p, lr=0.01, amsgrad=True), 1),
-    "Adam-fused": (lambda p: optim.Adam(p, lr=0.01, fused=True), 0),
-    "AdamW": (lambda p: optim.AdamW(p, lr=0.01, weight_decay=0.1), 1),
-    "AdamW-fused": (lambda p: optim.AdamW(p, lr=0.01, weight_decay=0.1, fused=True), 0),
-    "Adagrad": (lambda p: optim.Adagrad(p, lr=0.05), 1),
-    "Adagrad-fused": (lambda p: optim.Adagrad(p, lr=0.05, fused=True), 0),
-    "Adadelta": (lambda p: optim.Adadelta(p), 0),
-    "Adafactor": (lambda p: optim.Adafactor(p, lr=0.01), 3),
-    "Adamax": (lambda p: optim.Adamax(p, lr=0.01), 1),
-    "ASGD": (lambda p: optim.ASGD(p, lr=0.05), 3),
-    "NAdam": (lambda p: optim.NAdam(p, lr=0.01), 3),
-    "RAdam": (lambda p: optim.RAdam(p, lr=0.01), 1),
-    "RMSprop": (lambda p: optim.RMSprop(p, lr=0.01, momentum=0.5), 0),
-    "Rprop": (lambda p: optim.Rprop(p, lr=0.01), 4),
-    "Muon": (lambda p: optim.Muon(p, lr=0.02), 0),
-}
-#: Optimizers that create their state in __init__ rather than at the first step.
-EAGER_STATE = {"Adagrad", "Adagrad-fused"}
-
-
-def _model(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    bias = name != "Muon"  # Muon takes 2-d parameters only
-    return nn.Sequential(nn.Linear(5, 8, bias=bias), nn.Tanh(), nn.Linear(8, 2, bias=bias))
-
-
-def _batches(n: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(6, 5, generator=g), torch.randn(6, 2, generator=g)) for _ in range(n)]
-
-
-def _bad(batch, kind: str):
-    x, y = batch
-    if kind == "big":
-        return x, y * 1e4
-    x = x.clone()
-    x[0, 0] = math.nan
-    return x, y
-
-
-class _Hooks:
-    """Pre/post step hooks that log their calls and keep an EMA of the parameters."""
-
-    def __init__(self, opt):
-        self.calls: list[str] = []
-        self.ema = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
-        opt.register_step_pre_hook(lambda o, a, k: self.calls.append("pre"))
-        opt.register_step_post_hook(self._post)
-
-    def _post(self, opt, args, kwargs):
-        self.calls.append("post")
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for e, p in zip(self.ema, params, strict=True):
-            e.mul_(0.5).add_(p.detach(), alpha=0.5)
-
 
 def _run(name, make, batches, guard_kwargs=None, hooks=False, closure_opt=False):
-    model = _model(name)
+    model = model_for(name)
     opt = make(model.parameters())
-    log = _Hooks(opt) if hooks else None
+    log = Hooks(opt) if hooks else None
     guard = None if guard_kwargs is None else StepGuard(opt, **guard_kwargs)
     for x, y in batches:
 
@@ -104,39 +49,20 @@ def _run(name, make, batches, guard_kwargs=None, hooks=False, closure_opt=False)
     return model, opt, log, guard
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    return a == b or (a != a and b != b)  # NaN == NaN for Python floats
-
-
-def _assert_identical(got, ref) -> None:
-    for p, q in zip(got[0].parameters(), ref[0].parameters(), strict=True):
-        assert torch.equal(p, q), "parameters differ"
-    assert _same(got[1].state_dict(), ref[1].state_dict()), "optimizer state differs"
-    if ref[2] is not None:
-        assert got[2].calls == ref[2].calls, "step hooks fired on a skipped step"
-        assert all(map(torch.equal, got[2].ema, ref[2].ema)), "an EMA hook saw a skipped step"
-
-
 @pytest.mark.parametrize("hooks", [False, True], ids=["", "hooks"])
 @pytest.mark.parametrize("mode", ["skip", "clip"])
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "nosync"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_skip_is_a_run_that_never_saw_the_batch(name, sync, mode, hooks):
     make = OPTIMIZERS[name][0]
-    batches = _batches(6)
+    batches = batches_of(6)
     kind = "big" if mode == "skip" else "nan"  # clip mode skips non-finite steps only
-    stream = [_bad(batches[0], kind), *batches[1:3], _bad(batches[3], kind), *batches[4:]]
+    stream = [corrupt(batches[0], kind), *batches[1:3], corrupt(batches[3], kind), *batches[4:]]
     ref = _run(name, make, [batches[i] for i in (1, 2, 4, 5)], hooks=hooks)
     threshold = 50.0 if mode == "skip" else 1e30
     got = _run(name, make, stream, dict(mode=mode, threshold=threshold, sync=sync), hooks)
     assert (got[3].skipped, got[3].taken) == (2, 4)
-    _assert_identical(got, ref)
+    assert_identical(got, ref)
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "nosync"])
@@ -144,13 +70,13 @@ def test_lbfgs_with_a_closure(sync):
     def make(p):
         return optim.LBFGS(p, lr=0.5, max_iter=4, history_size=3)
 
-    batches = _batches(5)
-    stream = [*batches[:2], _bad(batches[2], "big"), *batches[3:]]
+    batches = batches_of(5)
+    stream = [*batches[:2], corrupt(batches[2], "big"), *batches[3:]]
     ref = _run("LBFGS", make, [*batches[:2], *batches[3:]], hooks=True, closure_opt=True)
     got = _run("LBFGS", make, stream, dict(threshold=50.0, sync=sync), True, closure_opt=True)
     assert got[3].skipped == 1
     assert got[3].last.output is not None  # the optimizer's return value (the loss)
-    _assert_identical(got, ref)
+    assert_identical(got, ref)
 
 
 # -------------------------------------------------------- optimizers with nested state
@@ -191,21 +117,21 @@ def test_nested_state_and_param_group_tensors_are_restored(sync, grow):
     def make(p):
         return _NestedState(p, grow=grow)
 
-    batches = _batches(6)
-    stream = [*batches[:2], _bad(batches[2], "big"), _bad(batches[3], "nan"), *batches[4:]]
+    batches = batches_of(6)
+    stream = [*batches[:2], corrupt(batches[2], "big"), corrupt(batches[3], "nan"), *batches[4:]]
     ref = _run("nested", make, [*batches[:2], *batches[4:]])
     got = _run("nested", make, stream, dict(threshold=50.0, sync=sync))
     assert got[3].skipped == 2
-    _assert_identical(got, ref)
+    assert_identical(got, ref)
     assert got[1].param_groups[0]["decay"].item() == pytest.approx(0.9**4)
 
 
 @pytest.mark.parametrize("grow", [False, True], ids=["fixed", "growing"])
 def test_nested_state_host_reads(grow):
-    model = _model("nested")
+    model = model_for("nested")
     guard = StepGuard(_NestedState(model.parameters(), grow), threshold=50.0, sync=False)
     counts = []
-    for x, y in _batches(4):
+    for x, y in batches_of(4):
         nn.functional.mse_loss(model(x), y).backward()
         with HostReadCounter() as reads:
             guard.step()
@@ -219,11 +145,11 @@ def test_nested_state_host_reads(grow):
 
 
 def _count_reads(name, make, sync, steps=4, closure_opt=False):
-    model = _model(name)
+    model = model_for(name)
     opt = make(model.parameters())
     guard = None if sync is None else StepGuard(opt, threshold=1e9, sync=sync)
     counts = []
-    for x, y in _batches(steps):
+    for x, y in batches_of(steps):
 
         def closure(x=x, y=y):
             opt.zero_grad()
@@ -244,7 +170,7 @@ def _count_reads(name, make, sync, steps=4, closure_opt=False):
 def test_host_reads_per_step(name):
     """The counts of the StepGuard docstring's table: torch's own reads, plus the guard's."""
     make, own_per_param = OPTIMIZERS[name]
-    k = len(list(_model(name).parameters()))
+    k = len(list(model_for(name).parameters()))
     own = own_per_param * k
     assert _count_reads(name, make, None) == [own] * 4  # the bare optimizer (torch)
     assert _count_reads(name, make, True) == [own + 1] * 4  # + the decision
@@ -275,19 +201,19 @@ def test_capturable_adam_makes_no_host_read(name, monkeypatch):
 
     assert _count_reads(name, make, None) == [0] * 4
     assert _count_reads(name, make, False) == [1, 0, 0, 0]
-    batches = _batches(5)
-    stream = [*batches[:2], _bad(batches[2], "big"), *batches[3:]]
+    batches = batches_of(5)
+    stream = [*batches[:2], corrupt(batches[2], "big"), *batches[3:]]
     ref = _run(name, make, [*batches[:2], *batches[3:]])
     got = _run(name, make, stream, dict(threshold=50.0, sync=False))
-    _assert_identical(got, ref)
+    assert_identical(got, ref)
 
 
 def test_skipped_start_up_steps_each_read_once():
     """Until a step is kept there is no state, so each skipped start-up step reads once."""
     make = OPTIMIZERS["SGD"][0]  # no host read of its own
-    batches = _batches(5)
-    stream = [_bad(batches[0], "big"), _bad(batches[1], "nan"), *batches[2:]]
-    model = _model("SGD")
+    batches = batches_of(5)
+    stream = [corrupt(batches[0], "big"), corrupt(batches[1], "nan"), *batches[2:]]
+    model = model_for("SGD")
     guard = StepGuard(make(model.parameters()), threshold=50.0, sync=False)
     counts = []
     for x, y in stream:
@@ -298,7 +224,7 @@ def test_skipped_start_up_steps_each_read_once():
         guard.optimizer.zero_grad()
     assert counts == [1, 1, 1, 0, 0]
     ref = _run("SGD", make, batches[2:])
-    _assert_identical((model, guard.optimizer, None), ref)
+    assert_identical((model, guard.optimizer, None), ref)
 
 
 # ----------------------------------------------------------------------- memory
@@ -321,9 +247,9 @@ class _Allocations(TorchDispatchMode):
 @pytest.mark.parametrize("name", ["Adam-fused", "AdamW-fused", "SGD-fused", "Adagrad-fused"])
 def test_fused_path_keeps_no_copy(name):
     make = OPTIMIZERS[name][0]
-    model = _model(name)
+    model = model_for(name)
     guard = StepGuard(make(model.parameters()), threshold=50.0, sync=False)
-    for i, (x, y) in enumerate(_batches(3)):
+    for i, (x, y) in enumerate(batches_of(3)):
         nn.functional.mse_loss(model(x), y).backward()
         with _Allocations() as alloc:
             guard.step()
@@ -340,7 +266,7 @@ def test_snapshot_buffers_are_allocated_once_and_skip_frozen_parameters():
     opt = optim.Adam([*trained.parameters(), *frozen.parameters()], lr=0.01)
     guard = StepGuard(opt, threshold=50.0, sync=False)
     pointers = []
-    for x, _ in _batches(4):
+    for x, _ in batches_of(4):
         frozen(torch.tanh(trained(x))).sum().backward()
         guard.step()
         opt.zero_grad()

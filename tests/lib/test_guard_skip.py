@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradlab import DECISIONS, StepGuard, StepRecord, grad_ignore_norm_
-from gradlab.sync import HostReadCounter
+from gradlab.sync import HostReadCounter, no_host_reads
 
 # ------------------------------------------------------------------------ fixtures
 
@@ -444,21 +443,6 @@ def test_scheduler_misuse_is_rejected():
 # ------------------------------------------------------------------ host syncs
 
 
-class _NoHostReads(TorchDispatchMode):
-    """Raise on any op that reads a tensor's value on the host."""
-
-    FORBIDDEN = (
-        torch.ops.aten._local_scalar_dense.default,
-        torch.ops.aten.is_nonzero.default,
-        torch.ops.aten.equal.default,
-    )
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.FORBIDDEN:
-            raise AssertionError(f"host read: {func}")
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode", ["clip", "skip", "none"])
 @pytest.mark.parametrize("name", ["sgd-momentum-wd", "sgd-nesterov", "adam-fused", "adamw-fused"])
 def test_sync_false_never_reads_the_device(name, mode):
@@ -472,7 +456,7 @@ def test_sync_false_never_reads_the_device(name, mode):
     guard.optimizer.zero_grad()
     for batch in stream[1:]:
         _backward(model, batch)
-        with _NoHostReads():
+        with no_host_reads():
             record = guard.step()
             assert record.pending
         guard.optimizer.zero_grad()

@@ -3,7 +3,7 @@
 On a GPU, reading a value (``.item()``, ``bool(t)``, a tensor in an ``if``) stalls
 the CPU until every queued kernel has run. These tests run each function under
 :func:`gradlab.sync.no_host_reads`, which raises on every host read (its own tests are
-in test_host_reads.py), and so catches the sync on the CPU as well, where it costs
+in test_sync.py), and so catches the sync on the CPU as well, where it costs
 nothing and goes unnoticed.
 """
 
