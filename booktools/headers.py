@@ -7,17 +7,21 @@
    notebook, then the same macros as ``\\def`` lines for MathJax (plain JupyterLab,
    Colab), where they stay defined for the cells below. ``\\def`` and not
    ``\\newcommand``: KaTeX refuses to ``\\newcommand`` a macro it already has.
-2. *Setup*: a code cell that makes ``gradlab`` importable in a fresh kernel, so the
-   launch buttons open notebooks that run. Where gradlab is importable (a local clone
-   with the project installed) it does nothing and prints nothing (nbval compares
-   that empty output). In a clone where it is not installed (Binder, whose image has
-   the requirements) it puts the clone on ``sys.path``; elsewhere (Colab) it
-   pip-installs ``gradlab[book]`` from the repository, and if that fails (offline, say)
-   it prints one sentence saying what to do instead of pip's traceback.
+2. *Setup*: a code cell that makes ``gradlab`` and ``gradlab_book`` importable in a
+   fresh kernel, so the launch buttons open notebooks that run. Where they are
+   importable (a clone with the project installed, Binder, the installed wheels) it
+   does nothing and prints nothing (nbval compares that empty output). In a clone
+   where they are not installed it puts the clone's two source folders on
+   ``sys.path``. Elsewhere (Colab) it pip-installs ``gradlab`` and ``gradlab-book``
+   from the repository (``#subdirectory=gradlab-book``) with a constraint that pins
+   torch to the kernel's own ``torch.__version__``, so pip never brings a second,
+   CUDA build of torch. If that cannot be satisfied (Colab's torch outside the
+   library's range, or no network) it prints one sentence saying what to do instead
+   of pip's traceback.
 
 Both cells have the ``remove-cell`` tag: the built book, which has the macros and the
 package already, leaves them out. Run after changing a macro:
-``.venv/bin/python -m gradlab.book.headers``; the test suite fails if any notebook's
+``.venv/bin/python -m booktools.headers``; the test suite fails if any notebook's
 header is missing or stale (``--check``). Re-execute the notebooks you changed.
 """
 
@@ -29,34 +33,55 @@ import sys
 from pathlib import Path
 
 import nbformat
+import tomllib
 import yaml
+from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[2]
-MARKER = "<!-- notation: generated from _config.yml by gradlab/book/headers.py -->"
+ROOT = Path(__file__).resolve().parents[1]  # booktools runs from the clone, never installed
+MARKER = "<!-- notation: generated from _config.yml by booktools/headers.py -->"
 HEADER_IDS = ("notation", "setup")
+
+
+def _torch_range() -> str:
+    """The library's torch requirement (``torch>=2.13,<2.14``), from its pyproject.toml."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    (torch,) = [d for d in project["dependencies"] if Requirement(d).name == "torch"]
+    return torch
+
+
 SETUP_SOURCE = """\
-# A fresh kernel (Colab, Binder): make gradlab importable. Silent if it is.
+# A fresh kernel (Colab, a downloaded notebook): make gradlab and gradlab_book importable.
+# Silent if they are.
 import importlib.util
 import pathlib
 import subprocess
 import sys
+import tempfile
 
-if importlib.util.find_spec("gradlab") is None:
+if importlib.util.find_spec("gradlab_book") is None:
     here = pathlib.Path.cwd().resolve()
     roots = (here, *here.parents)
-    clone = [p for p in roots if (p / "gradlab" / "__init__.py").is_file()]
+    clone = [p for p in roots if (p / "gradlab-book" / "gradlab_book").is_dir()]
     url = "git+https://github.com/gradlab/gradlab"
-    pip = [sys.executable, "-m", "pip", "install", "-q", f"gradlab[book]@{url}"]
-    if clone:  # a clone of the repository (Binder): use its code
-        sys.path.insert(0, str(clone[0]))
-    elif subprocess.run(pip, capture_output=True).returncode == 0:  # Colab
-        importlib.invalidate_caches()
-    else:
-        print(
-            f"Could not install gradlab from {url} (offline?): clone that "
-            "repository and run pip install -e '.[book]' in it."
-        )\
-"""
+    if clone:  # a clone of the repository: use its code
+        sys.path[:0] = [str(clone[0]), str(clone[0] / "gradlab-book")]
+    elif importlib.util.find_spec("torch") is None:
+        print("This kernel has no torch: install TORCH_RANGE, then rerun this cell.")
+    else:  # Colab: install against the torch it has, never a second (CUDA) build
+        import torch
+
+        keep = pathlib.Path(tempfile.mkdtemp()) / "torch.txt"
+        keep.write_text(f"torch=={torch.__version__}\\n")
+        book = f"gradlab-book @ {url}#subdirectory=gradlab-book"
+        pip = [sys.executable, "-m", "pip", "install", "-q", "-c", str(keep)]
+        if subprocess.run([*pip, f"gradlab @ {url}", book], capture_output=True).returncode:
+            print(
+                "Could not install gradlab and gradlab-book for this kernel's torch "
+                f"{torch.__version__}: they need TORCH_RANGE and a network connection, "
+                "so open the chapter on Binder, or install TORCH_RANGE and rerun this cell."
+            )
+        importlib.invalidate_caches()\
+""".replace("TORCH_RANGE", _torch_range())
 
 
 def macro_cell_source(config_path: Path = ROOT / "_config.yml") -> str:

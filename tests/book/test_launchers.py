@@ -1,11 +1,16 @@
-"""The ways out of the web book: Binder's environment and the pages' download buttons.
+"""The ways out of the web book: Binder's environment, Colab's setup cell, the pages' downloads.
 
 * ``binder/requirements.txt`` (what Binder installs; repo2docker reads ``binder/`` before
   the repository root): it asks for torch's CPU wheel explicitly, from the PyTorch CPU
-  index, agrees with ``requirements.txt`` on every version it pins, installs gradlab with
-  its book extra, covers every package the notebooks import, and leaves out the build and
-  test tools. ``binder/runtime.txt`` asks for the Python that gradlab requires. Offline:
-  nothing is installed.
+  index, agrees with ``requirements.txt`` on every version it pins, installs the library
+  and the book's distribution from the clone and jupyterlab-myst (what renders the
+  exercises and solutions in JupyterLab), covers every package the notebooks import, and
+  leaves out the build and test tools. ``binder/runtime.txt`` asks for the Python that
+  gradlab requires. Offline: nothing is installed.
+* The setup cell every notebook starts with (``booktools.headers.SETUP_SOURCE``), run as
+  it runs on Colab, with pip replaced by a recorder: it installs both packages from the
+  repository against the kernel's own torch, pinned exactly, and says in one sentence
+  what to do when pip cannot; it does nothing where the packages are importable.
 * The download button of a notebook page (sphinx-book-theme) serves
   ``_build/html/_sources/<page>.ipynb``: that file is the notebook itself, and it runs
   in a fresh kernel of this environment (gradlab installed) from a temporary folder
@@ -16,18 +21,23 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import json
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+from booktools import headers
 
 ROOT = Path(__file__).resolve().parents[2]
 BINDER = ROOT / "binder"
@@ -72,6 +82,11 @@ def _pins(path: Path) -> tuple[dict[str, str], list[str]]:
 
 def _pyproject() -> str:
     return (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+
+
+def _book_dependencies() -> list[Requirement]:
+    text = (ROOT / "gradlab-book" / "pyproject.toml").read_text(encoding="utf-8")
+    return [Requirement(d) for d in tomllib.loads(text)["project"]["dependencies"]]
 
 
 def _toc_docnames() -> list[str]:
@@ -129,14 +144,22 @@ def test_binder_agrees_with_requirements_txt():
         )
 
 
-def test_binder_installs_gradlab_with_its_book_extra_and_no_tools():
+def test_binder_installs_the_library_and_the_book_from_the_clone_and_no_tools():
     binder, other = _pins(BINDER / "requirements.txt")
-    assert any(re.fullmatch(r"(-e\s+)?\.\[book\]", line) for line in other), other
-    book = re.search(r"^book\s*=\s*\[(.*?)\]", _pyproject(), flags=re.M | re.S).group(1)
-    for dep in re.findall(r'"([^"]+)"', book):
-        assert canonicalize_name(Requirement(dep).name) in binder, f"{dep} is not pinned"
+    assert any(re.fullmatch(r"(-e\s+)?\.", line) for line in other), other
+    assert any(re.fullmatch(r"(-e\s+)?\./gradlab-book/?", line) for line in other), other
+    for dep in _book_dependencies():
+        if dep.name != "gradlab":  # the line above installs it, from the same clone
+            assert canonicalize_name(dep.name) in binder, f"{dep} is not pinned"
     assert not {canonicalize_name(t) for t in TOOLS} & set(binder)
     assert not any(name.startswith("sphinx") for name in binder)
+
+
+def test_binder_installs_jupyterlab_myst_as_pinned():
+    """Without it JupyterLab shows every {exercise} and {solution} as raw MyST."""
+    binder, _ = _pins(BINDER / "requirements.txt")
+    pinned, _ = _pins(ROOT / "requirements.txt")
+    assert binder.get("jupyterlab-myst") == pinned["jupyterlab-myst"]
 
 
 def test_binder_python_is_one_gradlab_supports():
@@ -159,12 +182,88 @@ def test_binder_covers_what_the_notebooks_import():
             if cell["cell_type"] != "code":
                 continue
             for module in _imported_modules("".join(cell["source"])):
-                if module in sys.stdlib_module_names or module == "gradlab":
-                    continue
+                if module in sys.stdlib_module_names or module in ("gradlab", "gradlab_book"):
+                    continue  # installed from the clone (the test above)
                 names = {canonicalize_name(d) for d in distributions.get(module, [module])}
                 if not names & set(binder):
                     missing.setdefault(module, set()).add(path.relative_to(ROOT).as_posix())
     assert not missing, f"imported by the notebooks, not in binder/requirements.txt: {missing}"
+
+
+# ------------------------------------------------------------------ Colab's setup cell
+
+
+class _Pip:
+    """Stands in for ``subprocess.run`` in the setup cell: records pip, answers ``code``."""
+
+    def __init__(self, code: int) -> None:
+        self.code, self.calls, self.constraints = code, [], []
+
+    def __call__(self, command, **kwargs):
+        self.calls.append(list(command))
+        if "-c" in command:
+            self.constraints.append(Path(command[command.index("-c") + 1]).read_text())
+        return subprocess.CompletedProcess(command, self.code, b"", b"")
+
+
+def _run_setup_cell(monkeypatch, folder: Path, code: int, missing=("gradlab_book",)) -> _Pip:
+    """Run the setup cell in ``folder`` as a kernel without ``missing`` would."""
+    find_spec = importlib.util.find_spec
+    pip = _Pip(code)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else find_spec(name)
+    )
+    monkeypatch.setattr(subprocess, "run", pip)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(folder)
+    exec(compile(headers.SETUP_SOURCE, "setup-cell", "exec"), {})
+    return pip
+
+
+def test_the_setup_cell_does_nothing_where_the_packages_are_importable(
+    monkeypatch, tmp_path, capsys
+):
+    pip = _run_setup_cell(monkeypatch, tmp_path, 0, missing=())
+    assert pip.calls == [] and capsys.readouterr().out == ""
+
+
+def test_the_setup_cell_installs_both_packages_against_the_kernels_torch(
+    monkeypatch, tmp_path, capsys
+):
+    import torch
+
+    pip = _run_setup_cell(monkeypatch, tmp_path, 0)
+    assert capsys.readouterr().out == ""
+    (command,) = pip.calls
+    assert command[:4] == [sys.executable, "-m", "pip", "install"]
+    assert pip.constraints == [f"torch=={torch.__version__}\n"]
+    wanted = [a for a in command if "@" in a]
+    assert [Requirement(a).name for a in wanted] == ["gradlab", "gradlab-book"]
+    url = "git+https://github.com/gradlab/gradlab"
+    assert [Requirement(a).url for a in wanted] == [url, f"{url}#subdirectory=gradlab-book"]
+    assert (ROOT / "gradlab-book" / "pyproject.toml").is_file()  # what the subdirectory names
+    assert not any(a.split("=")[0].split("<")[0].split(">")[0] == "torch" for a in command)
+
+
+def test_the_setup_cell_says_what_to_do_when_pip_cannot(monkeypatch, tmp_path, capsys):
+    import torch
+
+    _run_setup_cell(monkeypatch, tmp_path, 1)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.count(": ") == 1, out
+    assert str(torch.__version__) in out and "Binder" in out
+    (library_torch,) = [
+        d
+        for d in tomllib.loads(_pyproject())["project"]["dependencies"]
+        if Requirement(d).name == "torch"
+    ]
+    assert library_torch in out
+
+
+def test_the_setup_cell_uses_a_clone_it_is_opened_in(monkeypatch, capsys):
+    pip = _run_setup_cell(monkeypatch, ROOT / "book" / "training", 0)
+    assert pip.calls == [] and capsys.readouterr().out == ""
+    assert sys.path[:2] == [str(ROOT), str(ROOT / "gradlab-book")]
 
 
 # ---------------------------------------------------------------------- download buttons
