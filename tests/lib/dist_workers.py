@@ -7,7 +7,9 @@ at once) and at 4. Each rank runs every scenario and saves what it saw after eac
 compare the ranks with each other and with single-process references computed from the
 same seeded data (the ``make_*`` and ``*_reference`` functions here).
 
-Run ``python tests/lib/dist_workers.py OUT_DIR`` to start the world by hand.
+Run ``python tests/lib/dist_workers.py OUT_DIR`` to start the world by hand. Another
+module of scenarios (``parallel_workers.py``) runs in a world of its own through
+:func:`start` with ``module=``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 import datetime
 import hashlib
+import importlib
 import math
 import os
 import sys
@@ -579,8 +582,9 @@ SCENARIOS = {
 # -------------------------------------------------------------------------- worker
 
 
-def worker(rank: int, init_file: str, out_dir: str, names: list[str]) -> None:
-    """One rank: join the world, run each scenario, save after each, always leave."""
+def worker(rank: int, init_file: str, out_dir: str, names: list[str], module: str) -> None:
+    """One rank: join the world, run each scenario of ``module``, save after each, leave."""
+    scenarios = importlib.import_module(module)
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):  # gloo on the loopback, whatever the hostname
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -594,12 +598,12 @@ def worker(rank: int, init_file: str, out_dir: str, names: list[str]) -> None:
     results: dict = {}
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        ctx = Ctx(rank)
+        ctx = getattr(scenarios, "Ctx", Ctx)(rank)
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         ctx.pair = pairs[rank // 2]
         for name in names:
             try:
-                results[name] = SCENARIOS[name](ctx)
+                results[name] = scenarios.SCENARIOS[name](ctx)
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
             torch.save(results, path + ".tmp")
@@ -609,17 +613,26 @@ def worker(rank: int, init_file: str, out_dir: str, names: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def start(out_dir: str, names: list[str] | None = None, timeout_s: float = 240.0) -> list[dict]:
-    """Start the world, wait for it (killing it after ``timeout_s``), return each rank's."""
+def start(
+    out_dir: str,
+    names: list[str] | None = None,
+    timeout_s: float = 240.0,
+    module: str = "dist_workers",
+) -> list[dict]:
+    """Start the world, wait for it (killing it after ``timeout_s``), return each rank's.
+
+    ``module`` names the module of scenarios (a dict ``SCENARIOS``, and optionally a
+    ``Ctx`` class) that every rank imports; ``names`` picks some of them.
+    """
     import torch.multiprocessing as mp
 
-    names = list(SCENARIOS) if names is None else names
+    names = list(importlib.import_module(module).SCENARIOS) if names is None else names
     init_file = os.path.join(out_dir, "init")
     if os.path.exists(init_file):  # a stale rendezvous file would make the ranks wait
         os.remove(init_file)
     context = mp.start_processes(
         worker,
-        args=(init_file, out_dir, names),
+        args=(init_file, out_dir, names, module),
         nprocs=WORLD,
         join=False,
         start_method="spawn",
