@@ -6,7 +6,10 @@ gradlab's own ``clip_grad_norm_`` / ``grad_ignore_norm_`` on that sample's gradi
 (``per_sample_grads`` + ``clip_per_sample_``) and ``GhostClipping`` must match it.
 """
 
+import copy
+import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -14,8 +17,10 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import gradlab
+import gradlab.per_sample as per_sample
 from gradlab.per_sample import (
     EPS,
     GhostClipping,
@@ -605,3 +610,319 @@ def test_shape_errors():
             ghost.clip_(loss.mean(), 1.0)
         with pytest.raises(ValueError, match="batch dimension"):
             ghost.clip_(loss[:4], 1.0)
+
+
+# ------------------------------------------------- norms whose Gram form rounds below 0
+
+
+def nearly_cancelling(batch=12, dim=4, seed=0):
+    """Rows t and t+1 of each sample cancel but for a relative ``delta`` (0 to 1e-3).
+
+    The per-sample gradient is then ``delta`` times one row's, and the Gram form
+    ``sum_{t,s} (a_t . a_s)(b_t . b_s)`` subtracts terms of size 1 to get ``delta^2``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.randn(batch, 1, dim, generator=gen)
+    u = torch.randn(batch, 1, dim, generator=gen)
+    delta = torch.logspace(-7, -3, batch).view(batch, 1, 1)
+    delta[0] = 0.5  # one sample well above the threshold
+    return torch.cat([v, v], 1), torch.cat([u, -(1 + delta) * u], 1)
+
+
+def dot_loss(out, t):
+    return (out * t).sum((1, 2))
+
+
+def float64_loop(layer, inputs, t, max_norm, mode):
+    """A float64 copy of the layer, one backward per sample, clip or keep, then the sum."""
+    layer = copy.deepcopy(layer).double()
+    inputs = inputs if not inputs.is_floating_point() else inputs.double()
+    total, norms = torch.zeros_like(layer.weight), []
+    for i in range(inputs.shape[0]):
+        layer.weight.grad = None
+        dot_loss(layer(inputs[i : i + 1]), t[i : i + 1].double()).sum().backward()
+        norm = torch.linalg.vector_norm(layer.weight.grad)
+        coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
+        keep = max_norm / (norm + EPS) >= 1
+        total += layer.weight.grad * (coef if mode == "clip" else keep)
+        norms.append(norm)
+    return total, torch.stack(norms)
+
+
+@pytest.mark.parametrize("mode", ["clip", "ignore"])
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_nearly_cancelling_rows_give_a_finite_norm_not_nan(kind, mode):
+    x, t = nearly_cancelling()
+    if kind == "linear":  # T = 2, T^2 <= d_in * d_out: the Gram path
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4, bias=False)
+        inputs, a = x, x
+    else:  # the same id twice in a sample: its two rows of the weight gradient add up
+        layer = nn.Embedding(3, 4)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(3, 4))
+        inputs = torch.ones(x.shape[0], 2, dtype=torch.long)
+        a = torch.ones(x.shape[0], 2, 1)  # the ids' Gram matrix: all the same
+    # the Gram form sum_{t,s} (a_t . a_s)(b_t . b_s), as the ghost-norm papers write it
+    raw = (a @ a.transpose(1, 2) * (t @ t.transpose(1, 2))).sum((1, 2))
+    assert (raw < 0).any(), "the construction must round below zero in float32"
+    want, want_norms = float64_loop(layer, inputs, t, 1.0, mode)
+    with GhostClipping(layer) as ghost:
+        step = ghost.clip_ if mode == "clip" else ghost.ignore_
+        norms = step(dot_loss(layer(inputs), t), 1.0)
+    assert torch.isfinite(norms).all() and (norms >= 0).all()
+    # float32 rounding of the Gram sum (the larger error): eps32 times the terms' sizes
+    bound = 16 * torch.finfo(torch.float32).eps * (a @ a.transpose(1, 2)).abs().double()
+    bound = (bound * (t @ t.transpose(1, 2)).abs().double()).sum((1, 2))
+    assert ((norms.double().square() - want_norms.square()).abs() <= bound).all()
+    assert torch.isfinite(layer.weight.grad).all()
+    # the tiny samples are kept (ignore) and whole (clip): their 1e-4-sized share counts
+    torch.testing.assert_close(layer.weight.grad, want.float(), atol=3e-6, rtol=0)
+
+
+# ------------------------------------------------------------------ module contract
+
+
+def batch_of(d_in, batch=8, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, d_in, generator=gen, dtype=dtype)
+    y = torch.randint(0, 3, (batch,), generator=gen)
+    return x, y, 1.0 + torch.rand(batch, generator=gen, dtype=dtype)
+
+
+class DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(2 * x)
+
+
+class KeepsForward(nn.Linear):
+    """A subclass that keeps nn.Linear's forward (as torch's own subclasses do)."""
+
+
+def test_subclass_that_replaces_forward_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), DoubledLinear(4, 3))
+    with pytest.raises(ValueError, match=r"'2' \(DoubledLinear\) replaces the forward"):
+        GhostClipping(model)
+    layer = nn.Linear(6, 3)
+    layer.forward = lambda x: nn.Linear.forward(layer, 2 * x)
+    with pytest.raises(ValueError, match=r"'<root>' \(Linear\) replaces the forward"):
+        GhostClipping(layer)
+
+
+@pytest.mark.parametrize("mode", ["clip", "ignore"])
+def test_subclass_that_keeps_forward_matches_the_loop(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(KeepsForward(6, 8), nn.Tanh(), KeepsForward(8, 3)).double()
+    x, y, w = batch_of(6)
+    c = thresholds(model, x, y, w, per_layer=False)
+    want = naive(model, x, y, w, c, mode)
+    got, _ = run_ghost(model, x, y, w, c, mode)
+    assert_grads_close(got, want, **TOL64)
+
+
+class TiedHead(nn.Module):
+    """The embedding's weight is also the output layer, by F.linear (GPT-2's tying)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.proj(self.emb(ids))).mean(1), self.emb.weight)[:, :3]
+
+
+class Gate(nn.Module):
+    """No parameter of its own: it reads another module's weight."""
+
+    def __init__(self, source):
+        super().__init__()
+        self.source = [source]  # a list, so not a submodule
+
+    def forward(self, h):
+        return h * self.source[0].weight.sum(0)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 4)
+        self.b = nn.Linear(4, 4)
+        self.gate = Gate(self.b)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.gate(torch.tanh(self.b(self.a(x)))))
+
+
+def outside_use_cases():
+    """(name, model, batch, loss of a batch, the parameter the error must name)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 7, (8, 5), generator=torch.Generator().manual_seed(0))
+    x, y, w = batch_of(6, dtype=torch.float32)
+    tied = TiedHead()
+    gated = GatedMLP()
+    penalised = MLP()
+    cast = MLP()
+
+    def cast_twice(inputs):  # autocast casts head.weight once, for both uses
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = cast.net(inputs)
+            out = cast.head(h) + F.linear(h, cast.head.weight)
+        return weighted_ce(out.float(), y, w)
+
+    return [
+        ("tied", tied, lambda: weighted_ce(tied(ids), y, w), "emb.weight"),
+        ("read", gated, lambda: weighted_ce(gated(x), y, w), "b.weight"),
+        (
+            "penalty",
+            penalised,
+            lambda: weighted_ce(penalised(x), y, w) + penalised.head.weight.square().sum(),
+            "head.weight",
+        ),
+        ("autocast", cast, lambda: cast_twice(x), "'head'"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4), ids=["tied", "read", "penalty", "autocast"])
+def test_parameter_used_outside_its_module_is_refused_before_any_change(case):
+    _, model, loss, name = outside_use_cases()[case]
+    refused = pytest.raises(ValueError, match=f"{name}.*outside that module's forward")
+    with GhostClipping(model) as ghost, refused:
+        ghost.clip_(loss(), 1.0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_layer_called_twice_under_autocast_is_not_an_outside_use():
+    """Autocast casts a weight once for all of a layer's calls: that is one module's."""
+    model, x, y, w = make("seq", dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    weighted_ce(out.float(), y, w).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with GhostClipping(model) as ghost:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        ghost.clip_(weighted_ce(out.float(), y, w), math.inf)
+    for p, r in zip(model.parameters(), want, strict=True):
+        assert torch.linalg.vector_norm(p.grad - r) < 1e-2 * torch.linalg.vector_norm(r)
+
+
+class Checkpointed(nn.Module):
+    """Embedding -> checkpoint(Linear, tanh, LayerNorm) -> RMSNorm (keyword call) -> head.
+
+    ``use_reentrant=None`` runs the block without checkpointing (torch.func, the norms'
+    reference, cannot trace a checkpoint).
+    """
+
+    def __init__(self, use_reentrant):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.LayerNorm(4))
+        self.rms = nn.RMSNorm(4)
+        self.head = nn.Linear(4, 3)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.use_reentrant is None:
+            h = self.block(h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.use_reentrant)
+        return self.head(self.rms(x=h).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["clip", "ignore"])
+def test_non_reentrant_checkpoint_matches_the_loop(mode):
+    torch.manual_seed(0)
+    model = Checkpointed(use_reentrant=None).double()
+    _, ids, y, w = make("norms")
+    c = thresholds(model, ids, y, w, per_layer=False)
+    ref = torch.linalg.vector_norm(sample_norms(model, ids, y, w), dim=1)
+    model.use_reentrant = False
+    want = naive(model, ids, y, w, c, mode)  # its backward recomputes the block too
+    got, norms = run_ghost(model, ids, y, w, c, mode)
+    assert_grads_close(got, want, **TOL64)
+    torch.testing.assert_close(norms, ref, **TOL64)
+
+
+def test_reentrant_checkpoint_is_refused_before_any_change():
+    torch.manual_seed(0)
+    model = Checkpointed(use_reentrant=True).double()
+    _, ids, y, w = make("norms")
+    with GhostClipping(model) as ghost, pytest.raises(ValueError, match="use_reentrant=False"):
+        ghost.clip_(weighted_ce(model(ids), y, w), 1.0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ------------------------------------------------------------------ the rule registry
+
+
+class Scale(nn.Module):
+    """``x * weight``, elementwise: a layer type GhostClipping has no rule for."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def test_a_new_layer_type_is_one_registered_function(monkeypatch):
+    monkeypatch.setattr(per_sample, "_RULES", dict(per_sample._RULES))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), Scale(4), nn.Tanh(), nn.Linear(4, 3)).double()
+    with pytest.raises(ValueError, match=r"'1' \(Scale\) has trainable parameters"):
+        GhostClipping(model)
+
+    @per_sample._register(Scale, params=("weight",), min_dims=lambda m: 2)
+    def scale_rule(module, calls, names, batch):
+        d = module.weight.shape[0]
+        grads = sum((x * b).reshape(batch, -1, d).sum(1) for x, b in calls)
+        return per_sample._formed([grads])
+
+    x, y, w = batch_of(6)
+    c = thresholds(model, x, y, w, per_layer=True)
+    want = naive(model, x, y, w, c, "clip")
+    got, _ = run_ghost(model, x, y, w, c, "clip")
+    assert_grads_close(got, want, **TOL64)
+
+
+# ------------------------------------------------------------------------ docstrings
+
+
+PUBLIC = [
+    per_sample_norms,
+    clip_per_sample_,
+    ignore_per_sample_,
+    per_sample_grads,
+    GhostClipping,
+    GhostClipping.clip_,
+    GhostClipping.ignore_,
+]
+
+
+def test_source_has_no_control_characters_or_broken_math():
+    source = inspect.getsource(per_sample)
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", source)
+    assert not re.search(r":math:`\s*\n", source)  # where "\nabla" had become a newline
+
+
+@pytest.mark.parametrize("obj", PUBLIC, ids=lambda o: o.__qualname__)
+def test_public_docstrings_are_torch_style(obj):
+    doc = inspect.getdoc(obj)
+    assert "Args:" in doc and ".. note::" in doc and "host read" in doc
+    if obj is not GhostClipping:
+        assert "Returns:" in doc
+    block = doc.split("Args:\n", 1)[1].split("\n\n", 1)[0]
+    entries = re.split(r"\n(?=    \S)", block)  # an entry and its indented continuation
+    names = [re.match(r"    (\w+) \((.+?)\): ", e) for e in entries]
+    assert all(names), entries  # every entry is "name (type): text"
+    target = obj.__init__ if isinstance(obj, type) else obj
+    signature = inspect.signature(target).parameters
+    assert [m.group(1) for m in names] == [n for n in signature if n != "self"]
+    for m, entry in zip(names, entries, strict=True):
+        if signature[m.group(1)].default is not inspect.Parameter.empty:
+            assert "Default:" in entry, entry
