@@ -131,9 +131,11 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
-def check_foreach(foreach: object) -> None:
+def check_foreach(foreach: object) -> bool | None:
+    """``foreach`` if it is None, True or False, or ValueError."""
     if foreach is not None and not isinstance(foreach, bool):
         raise ValueError(f"foreach must be None, True or False, got {foreach!r}")
+    return foreach
 
 
 def check_int(name: str, value: object, low: int) -> int:
@@ -201,9 +203,9 @@ def device_groups(tensors: list[Tensor]) -> Groups:
     """Split ``tensors`` into (device, dtype, tensors) groups, keeping every tensor once."""
     if not tensors:  # torch's grouping helper rejects an empty list
         return []
-    grouped = _group_tensors_by_device_and_dtype([tensors])
+    grouped = _group_tensors_by_device_and_dtype([list(tensors)])
     return [
-        (device, dtype, device_tensors)
+        (device, dtype, [t for t in device_tensors if t is not None])
         for (device, dtype), ([device_tensors], _) in grouped.items()
     ]
 

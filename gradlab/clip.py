@@ -106,7 +106,7 @@ def _check_total_norm(total_norm: object, name: str = "total_norm") -> Tensor:
     if type(total_norm) not in PLAIN_TYPES and distributed.is_dtensor(total_norm):
         # torch.nn.utils.get_total_norm of DTensor gradients: its global value (a
         # collective, which every rank of the mesh makes, as it calls this too).
-        return total_norm.full_tensor()
+        return total_norm.full_tensor()  # type: ignore[attr-defined]
     return total_norm
 
 
@@ -179,6 +179,7 @@ def _max_abs_on_cpu(group: list[Tensor], vectorised: bool, dtype: torch.dtype) -
     large = [g for g in group if g.numel() >= _AMINMAX_MIN_NUMEL]
     pieces: list[Tensor] = []
     if small:
+        norms: list[Tensor] | tuple[Tensor, ...]
         if vectorised:
             norms = torch._foreach_norm(small, math.inf, dtype=dtype)
         else:
@@ -351,7 +352,7 @@ def _norm_of_grads(
     """
     p = check_norm_type(norm_type)
     check_flag("error_if_nonfinite", error_if_nonfinite)
-    check_foreach(foreach)
+    foreach = check_foreach(foreach)
     check_process_group(process_group)
     if process_group is None and all(type(t) in PLAIN_TYPES for t in tensors):
         groups = device_groups(tensors)
@@ -635,12 +636,15 @@ def _clamp_(groups: Groups, clip_value: Threshold, foreach: bool | None) -> None
         bound = _clamp_bound(clip_value, device, dtype)
         if use_foreach(group, device, foreach):
             # The foreach clamps take a number, or one tensor per gradient.
-            many = isinstance(bound, Tensor)
-            torch._foreach_clamp_min_(group, [-bound] * len(group) if many else -bound)
-            torch._foreach_clamp_max_(group, [bound] * len(group) if many else bound)
+            if isinstance(bound, Tensor):
+                torch._foreach_clamp_min_(group, [-bound] * len(group))
+                torch._foreach_clamp_max_(group, [bound] * len(group))
+            else:
+                torch._foreach_clamp_min_(group, -bound)
+                torch._foreach_clamp_max_(group, bound)
         else:
             for g in group:
-                g.clamp_(min=-bound, max=bound)
+                g.clamp_(min=-bound, max=bound)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------ ignoring

@@ -18,7 +18,7 @@ import math
 import numbers
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -595,12 +595,13 @@ class StepGuard:
         condition: Tensor | bool | None = None,
     ) -> tuple[Tensor, Tensor | bool, Tensor | bool]:
         """(statistic, keep, clipped) on the device; clips in ``"clip"`` mode. No read."""
-        grads = [p.grad for p in params]
-        stat = get_total_norm(grads, self.norm_type, process_group=self._norm_group)
+        stat = self._statistic(params)
         if self.mode == "none":
             return stat, True if condition is None else condition, False
         tau = self._threshold if self._policy is None else self._policy.threshold(stat)
         within = self._within(stat, tau, self._policy is not None)
+        keep: Tensor | bool
+        clipped: Tensor | bool
         if self.mode == "skip":
             keep, clipped = within, False
         else:
@@ -612,7 +613,8 @@ class StepGuard:
             if self._group is not None:
                 loss = distributed.all_reduce_mean(loss, self._group)
             policy = self._loss_policy
-            limit = self._loss_threshold if policy is None else policy.threshold(loss)
+            limit = policy.threshold(loss) if policy is not None else self._loss_threshold
+            assert limit is not None  # _needs_loss: a number or a policy
             keep = keep & (loss.double() <= _as_float64(limit))
         if found_inf is not None:
             keep = keep & (found_inf == 0)
@@ -628,6 +630,10 @@ class StepGuard:
         if self._group is not None:
             keep = distributed.all_reduce_keep(keep, self._group)
         return stat, keep, clipped
+
+    def _statistic(self, params: list[Tensor]) -> Tensor:
+        grads = [cast(Tensor, p.grad) for p in params]  # _params_with_grad checked them
+        return get_total_norm(grads, self.norm_type, process_group=self._norm_group)
 
     def _within(self, stat: Tensor, tau: float | Tensor, relative: bool) -> Tensor:
         if self.by == "value":
@@ -665,8 +671,9 @@ class StepGuard:
             finite = finite & (found_inf == 0)
         if condition is not None:
             finite = finite & condition
-        forced = finite & torch.logical_not(keep)
+        forced = finite & ~_as_bool_tensor(keep, stat.device)
         if not self.sync:
+            assert isinstance(self._last_taken, Tensor) and self._max_skips is not None
             forced = forced & torch.lt(self._last_taken, self._steps - self._max_skips)
         return forced
 
@@ -705,9 +712,7 @@ class StepGuard:
             if self.mode == "clip":
                 params = self._params_with_grad()
                 with torch.no_grad():
-                    stat = get_total_norm(
-                        [p.grad for p in params], self.norm_type, process_group=self._norm_group
-                    )
+                    stat = self._statistic(params)
                     tau = self._threshold if self._policy is None else self._policy.threshold(stat)
                     self._clip(params, stat, tau)
             return value

@@ -188,14 +188,15 @@ def _fused_step_if(
     previous = optimizer.__dict__.get("found_inf", _MISSING)
     # One kernel. float32, as the fused kernels read it; they move it to each device.
     zero, one = (constant(v, torch.float32, keep.device) for v in (0.0, 1.0))
-    optimizer.found_inf = torch.where(keep, zero, one)
+    # The attribute GradScaler sets (torch's fused optimizers read it with getattr).
+    setattr(optimizer, "found_inf", torch.where(keep, zero, one))  # noqa: B010
     try:
         output = _step(optimizer, closure)
     finally:
         if previous is _MISSING:
-            del optimizer.found_inf
+            delattr(optimizer, "found_inf")
         else:
-            optimizer.found_inf = previous
+            setattr(optimizer, "found_inf", previous)  # noqa: B010
     created = [p for p in fresh if optimizer.state.get(p)]
     if created and not bool(keep):
         for p in created:
