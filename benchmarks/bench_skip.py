@@ -1,17 +1,24 @@
-"""Time StepGuard's exact skip against the norm plus the optimizer step it replaces.
+"""The cost of an exact skip: step_if_ and StepGuard against the norm plus the step they replace.
 
-A plain script, not a test. For a 394K- and a ~30M-parameter MLP it prints, side by side,
-the median time of one step call (gradients fixed, so only the step is timed):
+A plain script, not a test. For a 394K-parameter MLP (4 tensors) and a 29M-parameter one
+(6 tensors), with fused AdamW and gradients fixed (so that every call does the work of a
+healthy step: thresholds above the norm, nothing skipped), it prints side by side:
 
-* the sync-free guard on fused AdamW (``found_inf`` path) against ``get_total_norm(grads)``
-  plus ``optimizer.step()``, target at most 1.15x;
-* the sync=True guard against the norm, one host read and the step, target at most 1.1x;
-* the snapshot/select path (non-fused AdamW, sync=False) against its own norm plus step;
+* the baseline: ``gradlab.get_total_norm(grads)`` plus ``optimizer.step()``;
+* the best alternative with torch alone: torch's norm, a decision written into the
+  fused optimizer's ``found_inf``, then the step (three lines, sync-free);
+* GradScaler used as a skip (``init_scale=1``), the other sync-free skip torch offers;
+* ``step_if_(optimizer, keep_by_norm(norm, t), sync=False)``: target at most 1.05x at
+  394K, 1.02x at 29M;
+* ``StepGuard(sync=False)``: target at most 1.10x at 394K, 1.02x at 29M;
+* ``StepGuard(sync=True)`` beside the norm, one host read and the step;
+* the snapshot path (AdamW without ``fused``), beside its own norm plus step;
 
-with the host reads per step after the first and the memory the guard holds.
+each with the host reads per step after the first and the bytes held for the skip.
+Timed by each thread's CPU time over interleaved rounds (benchmarks/harness.py); the
+ratios are min/min and paired (the median of the rounds' ratios).
 
-    .venv/bin/python benchmarks/bench_skip.py [--repeats 10] [--threads 1] [--quick]
-        [--statistic median|min]
+    .venv/bin/python benchmarks/bench_skip.py [--rounds 40] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ import argparse
 import itertools
 
 import torch
+from harness import compare, format_rows, setup_threads, write_json
 from torch import Tensor, nn
 
 import gradlab
+from gradlab.step import snapshot_buffers
 from gradlab.sync import HostReadCounter
-from gradlab_book.benchmark import time_calls
 
-SIZES = {"394K": (256, 1024, 128), "30M": (2048, 4096, 4096, 1024)}
+SIZES = {"394K": (256, 1024, 128), "29M": (2048, 4096, 4096, 1024)}
+HIGH = 1e9  # above every norm: each call does the work of a step that is taken
 
 
 def make_model(widths: tuple[int, ...]) -> nn.Module:
@@ -40,19 +49,6 @@ def make_model(widths: tuple[int, ...]) -> nn.Module:
     return model
 
 
-def guard_bytes(guard: gradlab.StepGuard) -> int:
-    """Bytes of the tensors the guard holds itself: counters, flag, thresholds and
-    decision codes, snapshot buffers; a storage shared by views counted once."""
-    held = [v for v in vars(guard).values() if isinstance(v, Tensor)]
-    held += [v for v in vars(guard._threshold).values() if isinstance(v, Tensor)]
-    for codes in guard._device_codes.values():
-        held += vars(codes).values()
-    if guard._transaction is not None:
-        held += guard._transaction.buffers
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
-    return sum(storages.values())
-
-
 def reads_after_first(step, n: int = 5) -> int:
     """Host reads per call of ``step``, the worst of ``n`` calls after a first one."""
     step()
@@ -64,94 +60,118 @@ def reads_after_first(step, n: int = 5) -> int:
     return max(counts)
 
 
-def bench_size(
-    widths: tuple[int, ...], repeats: int, statistic: str = "median"
-) -> list[tuple[str, float, float, int, int]]:
-    """Rows (label, time in ms, ratio to its baseline, host reads per step, guard bytes)."""
+def held_bytes(guard: gradlab.StepGuard | None, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors kept for the skip: the guard's counters, the snapshot."""
+    held: list[Tensor] = (
+        [] if guard is None else [v for v in vars(guard).values() if isinstance(v, Tensor)]
+    )
+    held += snapshot_buffers(optimizer)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    return sum(storages.values())
 
-    def setup(fused: bool, sync: bool | None):
+
+def variants(widths: tuple[int, ...]) -> tuple[dict, dict, dict]:
+    """(name -> step call, name -> baseline name, name -> note) for one model size."""
+
+    def setup(fused: bool):
         model = make_model(widths)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
-        guard = None
-        if sync is not None:
-            guard = gradlab.StepGuard(opt, threshold=1e9, sync=sync)
-        grads = [p.grad for p in model.parameters()]
-        return opt, guard, grads
+        return opt, [p.grad for p in model.parameters()]
 
-    fused_opt, _, fused_grads = setup(True, None)
-    _, nosync, _ = setup(True, False)
-    sync_opt, sync, sync_grads = setup(True, True)
-    plain_opt, _, plain_grads = setup(False, None)
-    _, snapshot, _ = setup(False, False)
+    calls, notes = {}, {}
+    opt, grads = setup(True)
 
-    def norm_step() -> None:
-        gradlab.get_total_norm(fused_grads)
-        fused_opt.step()
+    def norm_step(opt=opt, grads=grads) -> None:
+        gradlab.get_total_norm(grads)
+        opt.step()
 
-    def norm_read_step() -> None:
-        if gradlab.get_total_norm(sync_grads).item() < 1e9:
-            sync_opt.step()
+    calls["norm + step"] = norm_step
+    opt, grads = setup(True)
+    flag = torch.zeros(())
 
-    def plain_norm_step() -> None:
-        gradlab.get_total_norm(plain_grads)
-        plain_opt.step()
+    def diy_found_inf(opt=opt, grads=grads) -> None:
+        norm = torch.nn.utils.get_total_norm(grads)
+        torch.logical_not(norm <= HIGH, out=flag)
+        opt.found_inf = flag
+        opt.step()
+        del opt.found_inf
 
-    calls = {
-        "norm + step (fused AdamW)": norm_step,
-        "guard sync=False (fused)": nosync.step,
-        "norm + 1 read + step (fused)": norm_read_step,
-        "guard sync=True (fused)": sync.step,
-        "norm + step (AdamW, for-loop)": plain_norm_step,
-        "guard sync=False (snapshot)": snapshot.step,
-    }
-    reads = {name: reads_after_first(fn) for name, fn in calls.items()}
-    times = time_calls(calls, repeats=repeats, warmup=2, statistic=statistic)
-    baseline = {
-        "guard sync=False (fused)": "norm + step (fused AdamW)",
-        "guard sync=True (fused)": "norm + 1 read + step (fused)",
-        "guard sync=False (snapshot)": "norm + step (AdamW, for-loop)",
-    }
-    held = {
-        "guard sync=False (fused)": guard_bytes(nosync),
-        "guard sync=True (fused)": guard_bytes(sync),
-        "guard sync=False (snapshot)": guard_bytes(snapshot),
-    }
-    return [
-        (
-            name,
-            times[name] * 1e3,
-            times[name] / times[baseline[name]] if name in baseline else 1.0,
-            reads[name],
-            held.get(name, 0),
-        )
-        for name in calls
-    ]
+    calls["torch norm, found_inf, step (DIY)"] = diy_found_inf
+    opt, grads = setup(True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones(()))  # makes its scale tensor, as scaling a loss would
+
+    def scaler_step(opt=opt, scaler=scaler) -> None:
+        scaler.step(opt)
+        scaler.update()
+
+    calls["GradScaler as a skip"] = scaler_step
+    opt, grads = setup(True)
+
+    def step_if(opt=opt, grads=grads) -> None:
+        norm = gradlab.get_total_norm(grads)
+        gradlab.step_if_(opt, gradlab.keep_by_norm(norm, HIGH), sync=False)
+
+    calls["step_if_ sync=False"] = step_if
+    opt, _ = setup(True)
+    guard = gradlab.StepGuard(opt, threshold=HIGH, sync=False)
+    calls["StepGuard sync=False"] = guard.step
+    notes["StepGuard sync=False"] = f"{held_bytes(guard, opt)} B held"
+    opt, grads = setup(True)
+
+    def norm_read_step(opt=opt, grads=grads) -> None:
+        if gradlab.get_total_norm(grads).item() < HIGH:
+            opt.step()
+
+    calls["norm, 1 read, step"] = norm_read_step
+    opt, _ = setup(True)
+    sync_guard = gradlab.StepGuard(opt, threshold=HIGH, sync=True)
+    calls["StepGuard sync=True"] = sync_guard.step
+    opt, grads = setup(False)
+
+    def plain_norm_step(opt=opt, grads=grads) -> None:
+        gradlab.get_total_norm(grads)
+        opt.step()
+
+    calls["norm + step (AdamW, not fused)"] = plain_norm_step
+    opt, _ = setup(False)
+    snap_guard = gradlab.StepGuard(opt, threshold=HIGH, sync=False)
+    calls["StepGuard sync=False (snapshot)"] = snap_guard.step
+    baselines = {name: "norm + step" for name in calls}
+    baselines["StepGuard sync=True"] = "norm, 1 read, step"
+    baselines["StepGuard sync=False (snapshot)"] = "norm + step (AdamW, not fused)"
+    for name, fn in calls.items():
+        reads = f"{reads_after_first(fn)} reads"
+        notes[name] = f"{reads}, {notes[name]}" if name in notes else reads
+    snap_guard.step()
+    notes["StepGuard sync=False (snapshot)"] += f", {held_bytes(snap_guard, opt):,} B held"
+    return calls, baselines, notes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=10, help="timed rounds per row")
+    parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--quick", action="store_true", help="the 394K model only")
-    parser.add_argument(
-        "--statistic", default="median", choices=["median", "min"], help="min: for a busy machine"
-    )
+    parser.add_argument("--json", help="also write the tables to this JSON file")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"CPU, {args.threads} thread(s), {args.statistic} of {args.repeats} interleaved rounds")
-    print("reads: host reads per step after the first; held: bytes the guard keeps\n")
-    header = f"{'model':6} {'step call':30} {'ms':>9} {'ratio':>6} {'reads':>5} {'held':>12}"
-    print(header)
-    print("-" * len(header))
+    setup_threads(args.threads)
+    print(f"CPU time per thread, {args.threads} torch thread(s), {args.rounds} rounds\n")
+    tables = {}
     for size, widths in SIZES.items():
         if args.quick and size != "394K":
             continue
+        calls, baselines, notes = variants(widths)
         n = sum(p.numel() for p in make_model(widths).parameters())
-        for name, ms, ratio, reads, held in bench_size(widths, args.repeats, args.statistic):
-            shown = f"{ratio:5.2f}x" if name.startswith("guard") else ""
-            held_text = f"{held:,} B" if name.startswith("guard") else ""
-            print(f"{size:6} {name:30} {ms:9.3f} {shown:>6} {reads:5d} {held_text:>12}")
-        print(f"{'':6} ({n:,} parameters)")
+        for name, base in baselines.items():
+            if base != "norm + step":
+                notes[name] = f"vs {base!r}; {notes[name]}"
+        rows = compare(calls, baselines, rounds=args.rounds, notes=notes)
+        tables[size] = rows
+        print(format_rows(rows, f"{size}: {n:,} parameters, fused AdamW unless said"))
+        print()
+    if args.json:
+        write_json(args.json, tables, {"rounds": args.rounds, "threads": args.threads})
 
 
 if __name__ == "__main__":

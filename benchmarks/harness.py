@@ -71,7 +71,7 @@ def _inner(fn: Callable[[], object], clock: Callable[[], int], block_ms: float) 
 
 def compare(
     variants: Mapping[str, Callable[[], object]],
-    baseline: str,
+    baseline: str | Mapping[str, str],
     *,
     rounds: int = 40,
     block_ms: float = 4.0,
@@ -85,7 +85,9 @@ def compare(
     Args:
         variants: name -> a callable that does one unit of work (it must leave its
             inputs so that the next call does the same work).
-        baseline: the name of the variant the ratios divide by.
+        baseline: the name of the variant the ratios divide by, or a mapping from each
+            variant's name to its own baseline's (every variant runs in the same
+            interleaved rounds either way).
         rounds: how many rounds; each times every variant once. Default: 40
         block_ms: the length a timed block aims at, in milliseconds. Default: 4.0
         warmup: calls of each variant before timing. Default: 3
@@ -96,8 +98,12 @@ def compare(
     Returns:
         One :class:`Row` per variant, in the order given.
     """
-    if baseline not in variants:
-        raise ValueError(f"baseline {baseline!r} is not one of the variants {list(variants)}")
+    baselines = {name: baseline for name in variants} if isinstance(baseline, str) else baseline
+    missing = {b for b in baselines.values() if b not in variants} | (
+        set(variants) - set(baselines)
+    )
+    if missing:
+        raise ValueError(f"baselines {sorted(missing)} are not among the variants {list(variants)}")
     clock = _clock(device)
     for fn in variants.values():
         for _ in range(warmup):
@@ -114,9 +120,9 @@ def compare(
             for _ in range(n):
                 fn()
             times[name].append((clock() - start) / n / 1e3)
-    base = times[baseline]
     rows = []
     for name, samples in times.items():
+        base = times[baselines[name]]
         paired = statistics.median(s / b for s, b in zip(samples, base, strict=True))
         rows.append(
             Row(
@@ -154,4 +160,3 @@ def write_json(path: str | Path, tables: Mapping[str, list[Row]], settings: Mapp
         "tables": {k: [asdict(r) for r in rows] for k, rows in tables.items()},
     }
     Path(path).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
-
