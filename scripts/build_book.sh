@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything, then build the book.
 #
-#  1. .venv with the pinned requirements.txt (torch 2.13.0, CPU wheel) and gradlab with
-#     its book and test extras, editable;
+#  1. .venv with the pinned requirements.txt (torch 2.13.0, CPU wheel), the library
+#     (gradlab) and the book's distribution (gradlab-book), both editable;
 #  2. what the browser tests need outside Python: Chromium and Node.js/npm (through
 #     apt-get on Debian or Ubuntu as root; elsewhere one sentence says what to install),
 #     and the local copies of the CDN files the pages load (npm ci in tests/browser);
@@ -20,9 +20,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -r requirements.txt
-# requirements.txt pins the dependencies of the library, of its book and test extras and
-# of the book's toolchain; --no-deps keeps pip from resolving them again.
-.venv/bin/python -m pip install --quiet --no-deps -e .
+# requirements.txt pins the dependencies of the library and its test extra, of the book's
+# distribution and of the book's toolchain; --no-deps keeps pip from resolving them again.
+.venv/bin/python -m pip install --quiet --no-deps -e . -e ./gradlab-book
 
 source scripts/system_deps.sh
 install_system_deps

@@ -3,7 +3,8 @@
 #
 #   lint       ruff check and ruff format --check
 #   library    tests/lib: the library against torch.nn.utils and float64 maths
-#   packaging  tests/packaging: a fresh venv with only torch, `pip install .`, imports
+#   packaging  tests/packaging: the two wheels (library, gradlab-book) built, their files,
+#              each in a fresh venv: imports, and the chapters that read data, run alone
 #   book       tests/book (figures, exercise checks, student edition) and nbval, strict,
 #              on every notebook under book/
 #   browser    tests/browser: the built site in Chromium
