@@ -2,9 +2,11 @@
 
 A step that calls ``threshold`` then ``update`` compiles with ``fullgraph=True`` (a
 graph break would raise) and runs the same graph whatever the values: spikes, NaN,
-rejected steps, a checkpoint loaded in between. The "eager" backend counts graphs and
+skipped steps, a checkpoint loaded in between. The "eager" backend counts graphs and
 runs them as they are, so its thresholds are the eager ones bit for bit; inductor
-(about 20 s of compilation for the three policies on two cores) must agree to rounding.
+(about 20 s of compilation for the policies on two cores) must agree to rounding.
+AutoClip's whole history grows, and recompiles while it starts to grow, as its
+docstring says: a few graphs, then none.
 """
 
 from __future__ import annotations
@@ -15,26 +17,29 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
+import gradlab.adaptive as adaptive
 from gradlab.adaptive import AutoClip, SigmaSkip, ZClip, agc_
 
+#: The policies whose state keeps its shape: one graph, ever.
 POLICIES = {
-    "autoclip": lambda: AutoClip(quantile=0.8, window=6),
+    "autoclip_window": lambda: AutoClip(percentile=80.0, window=6),
     "zclip": lambda: ZClip(alpha=0.9, z_thresh=2.0, warmup=3),
-    "sigmaskip": lambda: SigmaSkip(k=2.0, window=6, min_count=3),
+    "sigma_all": lambda: SigmaSkip(k=2.0, window=6, min_count=3),
+    "sigma_taken": lambda: SigmaSkip(k=2.0, window=6, min_count=3, steps="taken"),
 }
 STREAM = [1.0, 1.2, 0.9, 1.1, 30.0, math.nan, 1.0, 0.8, math.inf, 1.3, 25.0, 1.1, 0.95, 1.05]
-ACCEPTED = [i % 4 != 3 for i in range(len(STREAM))]
+TAKEN = [i % 4 != 3 for i in range(len(STREAM))]
 
 
-def step(policy, stat, accepted):
+def step(policy, stat, taken):
     tau = policy.threshold(stat)
-    policy.update(stat, accepted)
+    policy.update(stat, taken)
     return tau
 
 
-def thresholds(policy, fn):
+def thresholds(policy, fn, stream=STREAM, taken=TAKEN):
     out = []
-    for x, ok in zip(STREAM, ACCEPTED, strict=True):
+    for x, ok in zip(stream, taken, strict=True):
         out.append(fn(policy, torch.tensor(x), torch.tensor(ok)))
     return torch.stack(out)
 
@@ -68,6 +73,54 @@ def test_inductor_agrees_without_recompiling(name):
     want = thresholds(POLICIES[name](), step)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_aot_eager_keeps_every_update_of_float64_state(name):
+    """aot_eager (inductor's front end, without its compilation time) on float64 state,
+    ZClip's whatever its dtype: a copy_ into a 0-dim float64 tensor was dropped there."""
+    made = POLICIES[name]()
+
+    def build():  # the same policy, float64; its config is its constructor's keywords
+        return type(made)(**made.state_dict()["config"], dtype=torch.float64)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    policy, eager = build(), build()
+    got, want = thresholds(policy, compiled), thresholds(eager, step)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    mine, theirs = policy.state_dict()["state"], eager.state_dict()["state"]
+    assert all(torch.equal(mine[key], theirs[key]) for key in mine)
+
+
+def test_whole_history_recompiles_only_while_it_starts_to_grow(monkeypatch):
+    """The buffer doubles from 4 slots seven times over 300 steps; dynamo compiles at the
+    first two calls and the first two doublings (5 graphs), then never again."""
+    monkeypatch.setattr(adaptive, "_HISTORY_START", 4)
+    stream = [STREAM[i % len(STREAM)] * (1 + i / 100) for i in range(300)]
+    taken = [i % 3 != 0 for i in range(300)]
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    policy, eager = AutoClip(percentile=30.0), AutoClip(percentile=30.0)
+    frames = []
+    for x, ok in zip(stream, taken, strict=True):
+        stat, flag = torch.tensor(x), torch.tensor(ok)
+        assert torch.equal(compiled(policy, stat, flag), step(eager, stat, flag))
+        frames.append(counter.frame_count)
+    assert policy.state_dict()["state"]["history"].numel() == 512
+    assert frames[-1] <= 5 and frames[16] == frames[-1]  # none after the second doubling
+    # A checkpoint of another size is taken at its size, and the compiled step goes on.
+    policy.load_state_dict(eager.state_dict())
+    x, ok = torch.tensor(2.0), torch.tensor(True)
+    assert torch.equal(compiled(policy, x, ok), step(eager, x, ok))
+
+
+def test_whole_history_under_inductor():
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    got = thresholds(AutoClip(percentile=30.0), compiled)
+    want = thresholds(AutoClip(percentile=30.0), step)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+    assert counter.frame_count <= 2  # the first call, then the host count as a symbol
 
 
 def test_agc_compiles_to_one_graph():
