@@ -211,25 +211,34 @@ def split_dtensors(
         own size here (its addends are summed, as torch's DTensor norm sums them); the
         DTensor itself is left as it is.
     """
+    _check_meshes(tensors, process_groups, "a DTensor's mesh and process_group")
     plain: list[Tensor] = []
     domains: dict[tuple, tuple[list[ProcessGroup], list[Tensor]]] = {}
     for t in tensors:
         if not is_dtensor(t):
             plain.append(t)
             continue
+        dims = _summed_dims(t)
         t = _without_partial(t)
-        # Not "is_shard()": FSDP2 x TP places a _StridedShard, which is not a Shard.
-        dims = tuple(d for d, pl in enumerate(t.placements) if not pl.is_replicate())
         if not dims:
             plain.append(t.to_local())
             continue
         key = (t.device_mesh, dims)
         if key not in domains:
-            groups = [t.device_mesh.get_group(d) for d in dims]
-            _check_disjoint([*groups, *process_groups], "a DTensor's mesh and process_group")
-            domains[key] = (groups, [])
+            domains[key] = ([t.device_mesh.get_group(d) for d in dims], [])
         domains[key][1].append(t.to_local())
     return plain, list(domains.values())
+
+
+def _summed_dims(t: Tensor) -> tuple[int, ...]:
+    """The mesh dims over which DTensor ``t``'s norm is summed.
+
+    Every dim that is neither Replicate (copies) nor Partial (all-reduced to a copy
+    first); not ``is_shard()``, which FSDP2 x TP's ``_StridedShard`` fails.
+    """
+    return tuple(
+        d for d, pl in enumerate(t.placements) if not (pl.is_replicate() or pl.is_partial())
+    )
 
 
 # ---------------------------------------------------------------------------- groups
@@ -245,6 +254,20 @@ def _ranks(group: ProcessGroup) -> frozenset[int]:
         entry = (group, frozenset(torch.distributed.get_process_group_ranks(group)))
         _RANKS[id(group)] = entry
     return entry[1]
+
+
+def _check_meshes(tensors: list[Tensor], groups: Sequence[ProcessGroup], what: str) -> None:
+    """Refuse DTensors whose mesh shares ranks with ``groups`` (see :func:`_check_disjoint`)."""
+    if not groups:
+        return
+    seen = set()
+    for t in tensors:
+        if not is_dtensor(t):
+            continue
+        dims = _summed_dims(t)
+        if dims and (t.device_mesh, dims) not in seen:
+            seen.add((t.device_mesh, dims))
+            _check_disjoint([*(t.device_mesh.get_group(d) for d in dims), *groups], what)
 
 
 def _check_disjoint(groups: Sequence[ProcessGroup], what: str) -> None:
@@ -390,7 +413,9 @@ def _check_parts(parts: object) -> list[tuple[list[Tensor], list[ProcessGroup]]]
                 f"{part!r:.80}"
             )
         tensors = as_tensor_list(part[0], f"parts[{i}][0]")
-        checked.append((tensors, _group_list(part[1], f"parts[{i}][1]")))
+        groups = _group_list(part[1], f"parts[{i}][1]")
+        _check_meshes(tensors, groups, f"a DTensor's mesh and the groups of parts[{i}][1]")
+        checked.append((tensors, groups))
     return checked
 
 
@@ -450,15 +475,16 @@ def total_norm(
         foreach (bool, optional): see :func:`gradlab.get_total_norm`. Default: None
 
     Returns:
-        Tensor: the total norm, 0-dim, the same bits on every rank whose parts cover the
-        model: a float dtype as :func:`gradlab.get_total_norm` gives (float32 for 16-bit
-        inputs, float64 if any input is float64). ``tensor(0.)`` for no tensors and no
+        Tensor: the total norm, 0-dim, the same bits on every rank when the parts' groups
+        are laid out as above; its dtype as :func:`gradlab.get_total_norm` gives (float32
+        for 16-bit inputs, float64 if any input is float64). ``tensor(0.)`` for no tensors and no
         groups. A part with no tensors on this rank still takes part in its reductions,
         with a float32 zero: give every rank of a float64 part at least one tensor.
 
     Raises:
-        ValueError: a malformed part, a group that is not a ProcessGroup or shares ranks
-            with another of its part, or a bad ``norm_type``; before any collective.
+        ValueError: a malformed part, a group that is not a ProcessGroup, that shares
+            ranks with another group of its part or with the mesh of one of its
+            DTensors, or a bad ``norm_type``; before any collective.
         RuntimeError: torch.distributed is not initialized while a group is given, or
             ``error_if_nonfinite`` is set and the norm is not finite.
 

@@ -131,7 +131,7 @@ def with_grads(grads: list) -> list[nn.Parameter]:
     params = []
     for g in grads:
         p = nn.Parameter(torch.zeros_like(g))
-        p.grad = g.clone()
+        p.grad = _copy(g) if gradlab.distributed.is_dtensor(g) else g.clone()
         params.append(p)
     return params
 
@@ -141,6 +141,21 @@ def _gathered(t: torch.Tensor) -> torch.Tensor:
     if not gradlab.distributed.is_dtensor(t):
         return t.detach().clone()
     return dw._waited(t).clone()  # of a Replicate DTensor, the local tensor itself
+
+
+def _copy(t):
+    """A copy of DTensor ``t`` with the same placements and local pieces (a DTensor's
+    own clone() may reduce a Partial tensor to a Replicate one)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        t.to_local().clone(),
+        t.device_mesh,
+        t.placements,
+        run_check=False,
+        shape=t.shape,
+        stride=t.stride(),
+    )
 
 
 def _case_grads(ctx: Ctx, case: str, dtype: torch.dtype) -> list:
@@ -188,7 +203,7 @@ def scenario_placements(ctx: Ctx) -> dict:
                 continue
             for bad in range(WORLD):
                 for value in (math.nan, math.inf):
-                    grads = [g.clone() for g in base]
+                    grads = [_copy(g) for g in base]
                     local = grads[slot].to_local()
                     if ctx.rank == bad and local.numel():
                         local.view(-1)[0] = value
@@ -200,6 +215,7 @@ def scenario_placements(ctx: Ctx) -> dict:
         whole = torch.cat([_gathered(g).reshape(-1).double() for g in grads])
         ref, peak = float(torch.linalg.vector_norm(whole)), float(whole.abs().max())
         params = with_grads(grads)
+        out["clip_placements", case] = [str(q.grad.placements) for q in params]
         norm = gradlab.clip_grad_norm_(params, 0.5 * ref)
         out["clip", case] = (norm, [_gathered(q.grad) for q in params])
         for name, factor in (("ignore_over", 0.95), ("ignore_under", 1.05)):
@@ -336,10 +352,18 @@ def scenario_pp(ctx: Ctx) -> dict:
         counted = shards + (copies if ctx.inner == 0 else [])  # Megatron's TP-rank-0 rule
         out["megatron", p] = total_norm([(counted, world)], p)
         out["double", p] = gradlab.get_total_norm(shards + copies, p, process_group=world)
+    # A group of the DTensors' own mesh, or two overlapping groups in one part, would
+    # count pieces twice: refused, before any gradient changes.
+    params = with_grads(grads)
     try:
-        gradlab.get_total_norm(grads, process_group=tp)
+        gradlab.clip_grad_norm_(params, 1e-3, process_group=tp)
     except ValueError as err:
         out["refused"] = str(err)
+    out["refused_untouched"] = [_gathered(q.grad) for q in params]
+    try:
+        total_norm([(shards, [world, tp])])
+    except ValueError as err:
+        out["refused_parts"] = str(err)
     for value in (math.nan, math.inf):
         bad = stage_grads(ctx, stage)
         if ctx.rank == WORLD - 1:

@@ -165,6 +165,8 @@ def test_a_nonfinite_entry_on_one_rank_reaches_every_rank(ranks, case, value):
 @pytest.mark.parametrize("case", list(pw.CASES))
 def test_clip_and_ignore_by_the_global_norm(ranks, case):
     res = _scenario(ranks, "placements")
+    # the gradients clipped keep their placements, Partial addends included
+    assert res[0]["clip_placements", case] == res[0]["placements", case]
     full = res[0]["full", case, "torch.float32"]
     ref = math_norm(full, 2.0)
     coef = min(1.0, 0.5 * ref / (ref + 1e-6))
@@ -270,10 +272,13 @@ def test_pipeline_stages_are_summed_over_the_pp_group(ranks, p):
         assert _differs(res[0]["double", p], reference)
 
 
-def test_pipeline_refuses_a_group_of_the_dtensors_mesh(ranks):
+def test_groups_that_would_count_twice_are_refused(ranks):
     res = _scenario(ranks, "pp")
     for r in res:
-        assert "share the ranks" in r["refused"], r.get("refused")
+        assert "a DTensor's mesh and process_group share the ranks" in r.get("refused", "")
+        for got, want in zip(r["refused_untouched"], r["full"], strict=True):
+            assert same_bits(got, want)
+        assert "the groups of parts[0][1] share the ranks" in r.get("refused_parts", "")
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
