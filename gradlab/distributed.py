@@ -69,10 +69,10 @@ device:
   ``SPECIALIZE_REDUCE(FuncMinMax, float, 1, float, fn.isMinNotMax ? fminf(x, y) : fmaxf(x, y))``),
   which return the operand that is not NaN (IEEE 754 maxNum). A NaN held by any one
   rank is lost; only a NaN on every rank survives.
-* gloo compares as ``std::max`` does, which keeps its first operand when a comparison
-  with NaN is false, so the result depends on which rank holds the NaN: measured on
-  the CPU, a NaN on rank 0 survives and one on rank 1 is lost
-  (``tests/lib/test_distributed.py``).
+* gloo reduces with ``std::max`` (``gloo/math.h``: ``c[i] = std::max(a[i], b[i])``),
+  which keeps its first operand when the comparison with a NaN is false, so the result
+  depends on which rank holds the NaN: measured on the CPU, a NaN on rank 0 survives
+  and one on rank 1 is lost (``tests/lib/test_distributed.py``).
 * A SUM propagates a NaN on both.
 
 So every MAX here (:func:`all_reduce_max`) reduces a NaN flag beside the value, in one
@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, TypeGuard, Union
 
 import torch
 from torch import Tensor
@@ -106,6 +106,7 @@ from gradlab._common import (
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "ProcessGroups",
@@ -127,7 +128,7 @@ ProcessGroups = Union["ProcessGroup", Sequence["ProcessGroup"], None]
 # --------------------------------------------------------------------------- DTensors
 
 
-def is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: Tensor) -> TypeGuard[DTensor]:
     """Whether ``t`` is a :class:`torch.distributed.tensor.DTensor`.
 
     Args:
@@ -166,7 +167,7 @@ def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
     return [t.to_local() if is_dtensor(t) else t for t in tensors]
 
 
-def _without_partial(t: Tensor) -> Tensor:
+def _without_partial(t: DTensor) -> DTensor:
     """DTensor ``t`` with its ``Partial`` mesh dims all-reduced to ``Replicate``.
 
     A norm is not linear, so the addends a Partial dim holds must be summed first; this
@@ -186,10 +187,11 @@ def split_dtensors(
 ) -> tuple[list[Tensor], list[tuple[list[ProcessGroup], list[Tensor]]]]:
     """Split ``tensors`` into what this rank counts as it is and what it sums over meshes.
 
-    A DTensor on a mesh, summed over the mesh dims on which it is not ``Replicate``
-    (``Shard`` and ``_StridedShard``), joins the *domain* of the DTensors on the same
-    mesh with the same such dims: one reduction serves them all. A DTensor replicated
-    on every mesh dim is a copy, counted as a plain tensor.
+    A DTensor is summed over the mesh dims on which it is neither ``Replicate`` nor
+    ``Partial`` (``Shard`` and ``_StridedShard``; a Partial dim is all-reduced to a
+    copy first), and joins the *domain* of the DTensors on the same mesh with the same
+    such dims: one reduction serves them all. A DTensor with no such dim is a copy,
+    counted as a plain tensor.
 
     Args:
         tensors (list[Tensor]): plain tensors and DTensors.
@@ -213,24 +215,21 @@ def split_dtensors(
     """
     _check_meshes(tensors, process_groups, "a DTensor's mesh and process_group")
     plain: list[Tensor] = []
-    domains: dict[tuple, tuple[list[ProcessGroup], list[Tensor]]] = {}
+    domains: dict[tuple[object, tuple[int, ...]], tuple[list[ProcessGroup], list[Tensor]]] = {}
     for t in tensors:
         if not is_dtensor(t):
             plain.append(t)
-            continue
-        dims = _summed_dims(t)
-        t = _without_partial(t)
-        if not dims:
-            plain.append(t.to_local())
-            continue
-        key = (t.device_mesh, dims)
-        if key not in domains:
-            domains[key] = ([t.device_mesh.get_group(d) for d in dims], [])
-        domains[key][1].append(t.to_local())
+        elif dims := _summed_dims(t):
+            key = (t.device_mesh, dims)
+            if key not in domains:
+                domains[key] = ([t.device_mesh.get_group(d) for d in dims], [])
+            domains[key][1].append(_without_partial(t).to_local())
+        else:
+            plain.append(_without_partial(t).to_local())
     return plain, list(domains.values())
 
 
-def _summed_dims(t: Tensor) -> tuple[int, ...]:
+def _summed_dims(t: DTensor) -> tuple[int, ...]:
     """The mesh dims over which DTensor ``t``'s norm is summed.
 
     Every dim that is neither Replicate (copies) nor Partial (all-reduced to a copy
@@ -262,10 +261,7 @@ def _check_meshes(tensors: list[Tensor], groups: Sequence[ProcessGroup], what: s
         return
     seen = set()
     for t in tensors:
-        if not is_dtensor(t):
-            continue
-        dims = _summed_dims(t)
-        if dims and (t.device_mesh, dims) not in seen:
+        if is_dtensor(t) and (dims := _summed_dims(t)) and (t.device_mesh, dims) not in seen:
             seen.add((t.device_mesh, dims))
             _check_disjoint([*(t.device_mesh.get_group(d) for d in dims), *groups], what)
 
@@ -291,7 +287,7 @@ def _check_disjoint(groups: Sequence[ProcessGroup], what: str) -> None:
 def _as_groups(groups: ProcessGroups) -> list[ProcessGroup]:
     if groups is None:
         return []
-    return list(groups) if isinstance(groups, (list, tuple)) else [groups]
+    return list(groups) if isinstance(groups, Sequence) else [groups]
 
 
 def _group_list(groups: ProcessGroups, name: str) -> list[ProcessGroup]:
