@@ -10,12 +10,22 @@ location in a source tree.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import platform as _platform
+import re
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-__all__ = ["folder", "path", "write_json"]
+import numpy as np
+import torch
+
+__all__ = ["folder", "path", "platform", "same_platform", "write_json"]
+
+#: The environment variables that change the float kernels without changing the CPU.
+NUMERIC_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OPENBLAS_CORETYPE")
 
 
 def folder() -> Path:
@@ -55,6 +65,50 @@ def path(name: str) -> Path:
     if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
         raise ValueError(f"name must be a file name without a folder part, got {name!r}")
     return folder() / name
+
+
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return _platform.processor() or _platform.machine()
+    found = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return found.group(1).strip() if found else _platform.machine()
+
+
+def _blas(config: str) -> str:
+    found = re.search(r"BLAS_INFO=([\w.+-]+)", config)
+    return found.group(1) if found else "unknown"
+
+
+@functools.cache
+def platform() -> dict[str, str]:
+    """What the float results of a run depend on, beside the code: the numeric platform.
+
+    The torch and numpy versions, the CPU model, the ATen CPU capability torch's kernels
+    run at (``avx2``, ``avx512``, ``default``), the BLAS of torch and of numpy, and the
+    environment variables that change the kernels (:data:`NUMERIC_ENV`). The seeded
+    experiments store it beside their results, and their prefix tests compare bit for bit
+    where it matches and within a stated tolerance elsewhere.
+
+    Returns:
+        dict[str, str]: one string per entry.
+    """
+    numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"].get("name", "")
+    return {
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cpu": _cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_blas": _blas(torch.__config__.show()),
+        "numpy_blas": str(numpy_blas),
+        **{name.lower(): os.environ.get(name, "") for name in NUMERIC_ENV},
+    }
+
+
+def same_platform(stored: dict[str, Any]) -> bool:
+    """Whether ``stored`` (a data file with a ``"platform"`` entry) was made on this one."""
+    return stored.get("platform") == platform()
 
 
 def write_json(path: Path, data: Any) -> int:
