@@ -18,7 +18,7 @@ slows all of them alike, and timed by the CPU time of this thread, which another
 process's load does not add to. torch runs on this one thread (``set_num_threads(1)``),
 so that the thread's time is all of the work.
 
-    .venv/bin/python benchmarks/bench_adaptive.py [--rounds 300] [--compile]
+    .venv/bin/python benchmarks/bench_adaptive.py [--steps 300] [--compile]
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def median_thread_times_us(calls: dict[str, Callable[[], object]], rounds: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=300, help="timed rounds")
+    parser.add_argument("--steps", type=int, default=300, help="timed rounds")
     parser.add_argument("--compile", action="store_true", help="add compiled policies")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -139,8 +139,8 @@ def main() -> None:
     optimizer.step()  # create the optimizer state before timing
     n = sum(p.numel() for p in model.parameters())
     print(f"MLP with {n} parameters, fused AdamW, 1 thread, CPU, torch {torch.__version__}")
-    print(f"median thread CPU time per call over {args.rounds} interleaved rounds\n")
-    results = median_thread_times_us(cases(model, optimizer, args.compile), args.rounds)
+    print(f"median thread CPU time per call over {args.steps} interleaved rounds\n")
+    results = median_thread_times_us(cases(model, optimizer, args.compile), args.steps)
     bare = results["AdamW(fused).step()"]
     print(f"{'call':30} {'us':>8} {'/ step()':>9}")
     for name, us in results.items():

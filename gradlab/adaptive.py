@@ -343,9 +343,11 @@ class AutoClip(_Window):
             + (r - \lfloor r \rfloor)\,\bigl(x_{(\lceil r \rceil)} - x_{(\lfloor r \rfloor)}\bigr),
 
     the linear interpolation of ``numpy.percentile``, which the authors' sample code
-    calls on the whole list. :math:`p = 10` is the default, as the paper recommends:
-    about 90% of the steps are clipped (a norm equal to its own threshold counts as
-    within up to the rounding of the guard's comparison).
+    (``autoclip.py``) calls on the whole list. :math:`p = 10` is the default, the
+    paper's recommendation ("one can set p = 10 to get greatly improved performance",
+    with Adam), and "if p = 10, then we know 90% of the gradients are typically being
+    clipped". A norm equal to its own threshold (the first step's, say) is within, up
+    to the rounding of the guard's comparison.
 
     **The windowed variant** (``window=w``): the rule of ``QuantileClip`` in the
     third-party ``autoclip`` package (``HesitantlyHuman/autoclip``), whose README calls
@@ -563,8 +565,8 @@ class ZClip(_Policy):
     the reference's ``mean + z_thresh * std / (z / z_thresh)``: a spike is clipped
     further below :math:`\mu + z_t\sigma` the larger it is. ``max_norm``, if given,
     caps :math:`\tau` at every step, warm-up included, as the reference's
-    ``max_grad_norm`` does. Each finite statistic then updates the EMA with its clipped
-    value :math:`\hat x = \min(x, \tau)` (:math:`\tau` before the cap, as the
+    ``max_grad_norm`` does. After the warm-up, each finite statistic updates the EMA
+    with its clipped value :math:`\hat x = \min(x, \tau)` (:math:`\tau` before the cap, as the
     reference feeds back its ``clip_val``), the new :math:`\mu` entering the variance:
 
     .. math::
@@ -577,8 +579,8 @@ class ZClip(_Policy):
 
     **What enters:** every finite statistic, whether the step was taken or not, as in
     the reference (whose ``skip_update_on_spike`` is off by default); ``taken`` is not
-    used. A skipped spike enters clipped, at about :math:`\mu + z_t\sigma` at most, so
-    a skip cannot ratchet the threshold.
+    used. A skipped spike enters clipped, below :math:`\mu + z_t\sigma`, so a skip
+    cannot ratchet the threshold.
 
     **float64.** The warm-up buffer, :math:`\mu` and :math:`\sigma^2` are kept in
     float64 whatever ``dtype``, as the reference keeps them in Python floats: in float32
@@ -751,8 +753,9 @@ class SigmaSkip(_Window):
       was taken or not. OLMo-core's ``latest_loss`` and ``latest_grad_norm`` setters
       append every step's value. A spike widens the window that follows it, but a new
       level of the statistic enters and is learnt within a few steps: after a shift of
-      the norm from 1 to 3, the fourth step is taken again
-      (``tests/lib/test_adaptive.py``), where ``"taken"`` skips all 300 that follow.
+      the norm from 1 to 3, the fourth step after it is taken
+      (``test_sigma_all_resumes_after_a_level_shift_and_taken_locks_out`` in
+      ``tests/lib/test_adaptive.py``), where ``"taken"`` skips all 300 that follow.
     * ``"taken"``: only the finite statistics of taken steps, gradlab's earlier
       variant. A spike never widens the window, but a level shift above
       :math:`\bar x + ks` never enters either, and every later step is skipped: the
@@ -787,7 +790,7 @@ class SigmaSkip(_Window):
             state and of the thresholds. Default: ``torch.float32``
 
     References:
-        D. Groeneveld et al. (AI2). OLMo-core, ``olmo_core.optim.SkipStepOptimizer``
+        Allen Institute for AI. OLMo-core, ``olmo_core.optim.SkipStepOptimizer``
         (``src/olmo_core/optim/skip_step_optimizer.py``),
         https://github.com/allenai/OLMo-core; Team OLMo. *2 OLMo 2 Furious.*
         arXiv:2501.00656, 2025.
