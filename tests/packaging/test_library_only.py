@@ -1,61 +1,63 @@
-"""The library installs and imports with torch alone: the boundary between the two products.
+"""The library's wheel holds the library only, and installs and imports with torch alone.
 
-A fresh virtual environment gets ``torch`` (the pinned CPU wheel) and then
-``pip install .`` of a copy of the library's files. There every public name of
-:mod:`gradlab` imports, the book's dependencies are absent from ``pip list``, and
-``import gradlab.book`` says which extra to install. The wheel's metadata asks for torch
-and nothing else. This takes about a minute (torch is installed once, for this module).
+The boundary between the two products. ``pip wheel --no-deps`` builds the library's wheel
+from a copy of a clone (``wheels.clone_copy``), which holds the book's distribution
+(``gradlab-book/``) and the repository's tools (``booktools/``) beside the library:
+neither may land in the wheel. A fresh virtual environment gets ``torch`` (the pinned CPU
+wheel) and that wheel. There every public name of :mod:`gradlab` imports, the book's
+dependencies are absent from ``pip list``, no book module is importable, and the wheel's
+metadata asks for torch and nothing else. This takes about a minute (torch is installed
+once, for this module).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import tomllib
+from wheels import ROOT, build_wheel, clone_copy, fresh_venv, pinned, run, wheel_files
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCH = "torch==2.13.0"
-BOOK_ONLY = {"numpy", "matplotlib", "pillow", "ipywidgets", "jupyter-book", "nbval"}
-
-
-def _run(*command: str, cwd: Path | None = None) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd)
-    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
-
-
-def _library_sources(dest: Path) -> Path:
-    """The files `pip install .` needs, copied so the checkout gets no build litter."""
-    dest.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, dest / name)
-    shutil.copytree(
-        ROOT / "gradlab", dest / "gradlab", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    return dest
+BOOK_ONLY = {"numpy", "matplotlib", "pillow", "ipywidgets", "opacus", "jupyter-book", "nbval"}
 
 
 @pytest.fixture(scope="module")
-def library_env(tmp_path_factory) -> Path:
-    """A venv with torch and `pip install .` of the library, nothing else; its python."""
-    work = tmp_path_factory.mktemp("library-only")
-    _run(sys.executable, "-m", "venv", str(work / "venv"))
-    python = work / "venv" / "bin" / "python"
-    _run(str(python), "-m", "pip", "install", "--quiet", TORCH)
-    _run(str(python), "-m", "pip", "install", "--quiet", str(_library_sources(work / "src")))
+def library_wheel(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("library-wheel")
+    return build_wheel(clone_copy(work / "clone"), work / "dist")
+
+
+@pytest.fixture(scope="module")
+def library_env(tmp_path_factory, library_wheel) -> Path:
+    """A venv with torch and the library's wheel, nothing else; its python."""
+    python = fresh_venv(tmp_path_factory.mktemp("library-only") / "venv")
+    run(str(python), "-m", "pip", "install", "--quiet", str(library_wheel))
     return python
 
 
+def test_the_library_wheel_holds_the_library_only(library_wheel):
+    files = wheel_files(library_wheel)
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert {name.split("/")[0] for name in files} == {"gradlab", f"gradlab-{version}.dist-info"}
+    book = [n for n in files if n.startswith(("gradlab/book/", "gradlab_book/", "booktools/"))]
+    assert book == []
+    shipped = {name.removeprefix("gradlab/") for name in files if name.startswith("gradlab/")}
+    sources = {
+        path.relative_to(ROOT / "gradlab").as_posix()
+        for path in (ROOT / "gradlab").rglob("*")
+        if path.suffix in (".py", ".typed") and "__pycache__" not in path.parts
+    }
+    assert shipped == sources
+
+
 def test_pip_list_has_torch_and_gradlab_but_nothing_of_the_book(library_env):
-    listed = json.loads(_run(str(library_env), "-m", "pip", "list", "--format=json"))
+    listed = json.loads(run(str(library_env), "-m", "pip", "list", "--format=json"))
     names = {entry["name"].lower() for entry in listed}
     assert {"torch", "gradlab"} <= names
-    assert names & BOOK_ONLY == set()
+    assert names & (BOOK_ONLY | {"gradlab-book"}) == set()
 
 
 def test_every_public_name_imports(library_env):
@@ -70,17 +72,20 @@ def test_every_public_name_imports(library_env):
         print(len(gradlab.__all__))
         """
     )
-    out = _run(str(library_env), "-c", script, cwd=library_env.parent)
+    out = run(str(library_env), "-c", script, cwd=library_env.parent)
     assert int(out) >= 7
 
 
-def test_the_book_package_names_its_extra(library_env):
-    script = "import gradlab.book"
-    result = subprocess.run(
-        [str(library_env), "-c", script], capture_output=True, text=True, cwd=library_env.parent
+def test_no_book_module_is_installed_with_the_library(library_env):
+    script = textwrap.dedent(
+        """
+        import importlib.util
+        for name in ("gradlab.book", "gradlab_book", "booktools"):
+            print(name, importlib.util.find_spec(name) is not None)
+        """
     )
-    assert result.returncode != 0
-    assert 'pip install "gradlab[book]"' in result.stderr
+    out = run(str(library_env), "-c", script, cwd=library_env.parent).split("\n")
+    assert out[:3] == ["gradlab.book False", "gradlab_book False", "booktools False"]
 
 
 def test_the_wheel_requires_torch_alone(library_env):
@@ -90,28 +95,22 @@ def test_the_wheel_requires_torch_alone(library_env):
         print("\\n".join(requires("gradlab")))
         """
     )
-    requirements = _run(str(library_env), "-c", script, cwd=library_env.parent).splitlines()
+    requirements = run(str(library_env), "-c", script, cwd=library_env.parent).splitlines()
     core = [r for r in requirements if "extra ==" not in r]
     assert len(core) == 1 and core[0].startswith("torch"), core
-
-
-def _pinned(name: str) -> str:
-    """``name==version`` as requirements.txt pins it."""
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
-        if line.lower().startswith(f"{name}=="):
-            return line.strip()
-    raise AssertionError(f"{name} is not pinned in requirements.txt")
+    extras = {r.split("extra ==")[1].strip(" \"'") for r in requirements if "extra ==" in r}
+    assert extras == {"test"}, "the book is a distribution of its own, not an extra"
 
 
 def test_the_library_suite_needs_only_the_library_and_the_test_tools(library_env):
-    _run(
+    run(
         str(library_env),
         "-m",
         "pip",
         "install",
         "--quiet",
-        _pinned("pytest"),
-        _pinned("hypothesis"),
+        pinned("pytest"),
+        pinned("hypothesis"),
     )
     # -P: the installed gradlab, not the checkout's sources, is the one under test.
     result = subprocess.run(

@@ -8,7 +8,7 @@ large) or non-finite (a NaN input). :func:`train` runs it under a
 :class:`gradlab.StepGuard` in ``"clip"`` mode at a fixed threshold and returns every
 step's norm and decision; :func:`lr_sweep` does so over learning rates.
 
-*Recorded traces.* The norm traces of ``book/adaptive/data/norm_traces.json`` (see
+*Recorded traces.* The norm traces of ``norm_traces.json`` (:mod:`gradlab_book.stored`; see
 :mod:`gradlab_book.figures.adaptive`): :func:`early_threshold` sets a threshold from
 the first steps of a trace, :func:`drift_rates` measures how often the trace is over it
 right after that warm-up and at the end, :func:`drift_figure` draws it.
