@@ -65,6 +65,7 @@ from gradlab._common import (
     device_groups,
     use_foreach,
 )
+from gradlab.flat import FlatGrads, coalesce
 
 __all__ = [
     "clip_grad_norm_",
@@ -114,12 +115,16 @@ def _check_eps(eps: object) -> float:
     return check_real("eps", eps, 0.0, 1.0)
 
 
-def _grads_of(parameters: TensorOrTensors, action: str | None = None) -> list[Tensor]:
-    """The gradients of ``parameters`` that exist, in order.
+def _grads_of(parameters: TensorOrTensors | FlatGrads, action: str | None = None) -> list[Tensor]:
+    """The gradients of ``parameters`` that exist, in order; a FlatGrads' buffers.
 
+    Views of a common buffer that lie next to each other come back merged into one view
+    of their run (:func:`gradlab.flat.coalesce`): the same entries, one kernel per run.
     With ``action``, warn as torch does when ``parameters`` is an empty generator: most
     likely one already consumed, so that the call silently does nothing.
     """
+    if isinstance(parameters, FlatGrads):
+        return parameters.grads()  # no walk over the parameters
     params = as_tensor_list(parameters, "parameters")
     if action and not params and isinstance(parameters, types.GeneratorType):
         warnings.warn(
@@ -127,7 +132,7 @@ def _grads_of(parameters: TensorOrTensors, action: str | None = None) -> list[Te
             stacklevel=3,
         )
     # No assignment expression here: dynamo cannot trace one inside a comprehension.
-    return [p.grad for p in params if p.grad is not None]
+    return coalesce([p.grad for p in params if p.grad is not None])
 
 
 def _real(dtype: torch.dtype) -> torch.dtype:
@@ -198,10 +203,12 @@ def _scaled_norm(x: Tensor, p: float, dtype: torch.dtype | None = None) -> Tenso
     1, so the sum cannot underflow to 0. A zero ``m`` divides by 1 instead; an
     infinite or NaN ``m`` is the norm itself (``inf / inf`` would make NaN).
     """
-    peak = torch.linalg.vector_norm(x, math.inf, dtype=dtype)
+    if dtype is not None:
+        x = x.to(dtype)  # a 16-bit x divided in 16 bits would round every x/m
+    peak = torch.linalg.vector_norm(x, math.inf)
     finite = torch.isfinite(peak)
     scale = torch.where(finite & (peak > 0), peak, torch.ones_like(peak))
-    norm = torch.linalg.vector_norm(x / scale, p, dtype=dtype) * scale
+    norm = torch.linalg.vector_norm(x / scale, p) * scale
     return torch.where(finite, norm, peak)
 
 
@@ -252,8 +259,11 @@ def _total_norm(
             if not group:
                 continue
         piece = _group_norms(group, device, dtype, p, foreach)
-        # One .to() per group (a no-op when nothing changes), not one per tensor.
-        pieces.append(piece.to(device=first_device, dtype=acc_dtype))
+        # One .to() per group, not one per tensor, and none when nothing changes (the
+        # call alone costs microseconds: as much as the norm of a flat buffer's tail).
+        if piece.dtype != acc_dtype or piece.device != first_device:
+            piece = piece.to(device=first_device, dtype=acc_dtype)
+        pieces.append(piece)
     if not pieces:  # only empty tensors, and the inf-norm or a large p
         return torch.zeros((), dtype=acc_dtype, device=first_device)
     per_tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -355,7 +365,9 @@ def _norm_of_grads(
     foreach = check_foreach(foreach)
     check_process_group(process_group)
     if process_group is None and all(type(t) in PLAIN_TYPES for t in tensors):
-        groups = device_groups(tensors)
+        # One tensor (a flat buffer) is its own group, without torch's grouping call.
+        one = len(tensors) == 1
+        groups = [(tensors[0].device, tensors[0].dtype, tensors)] if one else device_groups(tensors)
         with torch.no_grad():
             total = _total_norm(tensors, p, foreach, groups)
     else:
@@ -366,7 +378,7 @@ def _norm_of_grads(
 
 
 def get_total_norm(
-    tensors: TensorOrTensors,
+    tensors: TensorOrTensors | FlatGrads,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -438,7 +450,11 @@ def get_total_norm(
         (one or two all-reduces of a few numbers, no host read): call it on every
         rank of the group, with gradients of the same dtypes.
     """
-    tensors = as_tensor_list(tensors, "tensors")
+    tensors = (
+        tensors.grads()
+        if isinstance(tensors, FlatGrads)
+        else coalesce(as_tensor_list(tensors, "tensors"))
+    )
     _, total = _norm_of_grads(
         tensors, norm_type, error_if_nonfinite, foreach, _CLIP_ADVICE, process_group
     )
@@ -455,8 +471,8 @@ def _clip_(
     # would read it on the host.
     coef = torch.clamp(_ratio(max_norm, total_norm, eps), max=1.0)
     for device, _, group in groups:
-        coef_here = coef.to(device)
-        if use_foreach(group, device, foreach):
+        coef_here = coef if coef.device == device else coef.to(device)
+        if use_foreach(group, device, foreach) and len(group) > 1:
             torch._foreach_mul_(group, coef_here)
         else:
             for g in group:
@@ -464,7 +480,7 @@ def _clip_(
 
 
 def clip_grads_with_norm_(
-    parameters: TensorOrTensors,
+    parameters: TensorOrTensors | FlatGrads,
     max_norm: float | Tensor,
     total_norm: Tensor,
     foreach: bool | None = None,
@@ -514,7 +530,7 @@ def clip_grads_with_norm_(
 
 
 def clip_grad_norm_(
-    parameters: TensorOrTensors,
+    parameters: TensorOrTensors | FlatGrads,
     max_norm: float | Tensor,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
@@ -596,7 +612,7 @@ def _clamp_bound(clip_value: Threshold, device: torch.device, dtype: torch.dtype
 
 
 def clip_grad_value_(
-    parameters: TensorOrTensors,
+    parameters: TensorOrTensors | FlatGrads,
     clip_value: float | Tensor,
     foreach: bool | None = None,
 ) -> None:
@@ -626,15 +642,17 @@ def clip_grad_value_(
     """
     clip_value = check_threshold_or_tensor("clip_value", clip_value)
     check_foreach(foreach)
-    grads = distributed.local_tensors(_grads_of(parameters))
+    grads = _grads_of(parameters)
+    distributed.refuse_partial(grads, "clip_grad_value_")
     with torch.no_grad():
-        _clamp_(device_groups(grads), clip_value, foreach)
+        _clamp_(device_groups(distributed.local_tensors(grads)), clip_value, foreach)
 
 
 def _clamp_(groups: Groups, clip_value: Threshold, foreach: bool | None) -> None:
     for device, dtype, group in groups:
         bound = _clamp_bound(clip_value, device, dtype)
-        if use_foreach(group, device, foreach):
+        # One tensor (a flat buffer): one pass clamping both sides, the same values.
+        if use_foreach(group, device, foreach) and len(group) > 1:
             # The foreach clamps take a number, or one tensor per gradient.
             if isinstance(bound, Tensor):
                 torch._foreach_clamp_min_(group, [-bound] * len(group))
@@ -672,7 +690,7 @@ def _zero_unless(groups: Groups, keep: Tensor, foreach: bool | None) -> None:
             continue
         factor = keep.to(device=device, dtype=int_dtype)
         bits = [g.view(int_dtype) for g in group]
-        if use_foreach(group, device, foreach):
+        if use_foreach(group, device, foreach) and len(group) > 1:
             torch._foreach_mul_(bits, factor)
         else:
             for b in bits:
@@ -830,7 +848,7 @@ def _largest_below(clip_value: float, dtype: torch.dtype) -> float:
 
 
 def grad_ignore_with_norm_(
-    parameters: TensorOrTensors,
+    parameters: TensorOrTensors | FlatGrads,
     max_norm: float | Tensor,
     total_norm: Tensor,
     foreach: bool | None = None,
@@ -875,7 +893,7 @@ def grad_ignore_with_norm_(
 
 
 def grad_ignore_norm_(
-    parameters: TensorOrTensors,
+    parameters: TensorOrTensors | FlatGrads,
     max_norm: float | Tensor,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
@@ -940,7 +958,7 @@ def grad_ignore_norm_(
 
 
 def grad_ignore_value_(
-    parameters: TensorOrTensors,
+    parameters: TensorOrTensors | FlatGrads,
     clip_value: float | Tensor,
     foreach: bool | None = None,
     *,

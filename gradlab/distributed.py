@@ -78,8 +78,8 @@ device:
 So every MAX here (:func:`all_reduce_max`) reduces a NaN flag beside the value, in one
 2-entry tensor: the value with NaN replaced by -inf, and 1.0 where it was NaN. A MAX of
 numbers that are never NaN is exact on both backends, and the result is NaN wherever
-any rank's value was. The integer decisions (:func:`all_reduce_keep`,
-:func:`all_reduce_decision`) have no NaN to lose.
+any rank's value was. The keep decisions (:func:`all_reduce_keep`) are integers, with no
+NaN to lose.
 
 Every result of a collective has the same bits on every rank of the group, and what is
 computed from it afterwards is computed alike, so every rank takes the same decision.
@@ -110,13 +110,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ProcessGroups",
-    "all_reduce_decision",
     "all_reduce_keep",
     "all_reduce_max",
     "all_reduce_mean",
     "all_reduce_norm",
     "is_dtensor",
     "local_tensors",
+    "refuse_partial",
     "split_dtensors",
     "total_norm",
 ]
@@ -165,6 +165,23 @@ def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
     if all(type(t) in PLAIN_TYPES for t in tensors):
         return tensors
     return [t.to_local() if is_dtensor(t) else t for t in tensors]
+
+
+def refuse_partial(tensors: list[Tensor], caller: str) -> None:
+    """Raise ValueError if a DTensor of ``tensors`` has a ``Partial`` placement.
+
+    An elementwise rule (a clamp) applied to each rank's addend of a Partial DTensor is
+    not the rule applied to their sum; torch's own ``clip_grad_value_`` raises there too.
+    Checked before anything changes.
+    """
+    for t in tensors:
+        if is_dtensor(t) and any(placement.is_partial() for placement in t.placements):
+            raise ValueError(
+                f"{caller}: a gradient is a DTensor with a Partial placement "
+                f"({t.placements}): each rank holds an addend of it, and clamping the "
+                "addends is not clamping their sum; redistribute it to Replicate or "
+                "Shard first (e.g. t.redistribute(t.device_mesh, [Replicate()]))"
+            )
 
 
 def _without_partial(t: DTensor) -> DTensor:
@@ -534,32 +551,6 @@ def all_reduce_keep(keep: Tensor, process_group: ProcessGroup | None = None) -> 
     rejected = torch.logical_not(keep).to(torch.int32).reshape(1)
     dist.all_reduce(rejected, op=dist.ReduceOp.MAX, group=process_group)
     return rejected[0] == 0
-
-
-def all_reduce_decision(code: Tensor, process_group: ProcessGroup | None = None) -> Tensor:
-    """The largest of the ranks' 0-dim integer decision codes, on every rank.
-
-    With codes ordered by severity (say 0 kept, 1 clipped, 2 skipped) the step is
-    skipped if any rank skips it and clipped if any clips it.
-
-    Args:
-        code (Tensor): a 0-dim integer tensor, this rank's code.
-        process_group (ProcessGroup, optional): the group to agree over; ``None`` is the
-            default (world) group. Default: None
-
-    Returns:
-        Tensor: a new 0-dim tensor of ``code``'s dtype and device, the same on every
-        rank. ``code`` is not modified.
-
-    .. note::
-        No host read; one all-reduce (an integer MAX, no NaN to lose): call it on every
-        rank of the group.
-    """
-    import torch.distributed as dist
-
-    agreed = code.reshape(1).clone()
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=process_group)
-    return agreed[0]
 
 
 def all_reduce_mean(value: Tensor, process_group: ProcessGroup | None = None) -> Tensor:

@@ -249,7 +249,17 @@ class StepGuard:
     holds the same averaged gradient) or ``grads="sharded"`` (each rank holds a part, as
     FSDP2 or tensors split by hand): the statistic is the global one, the loss is
     averaged over the group, and a rank that skips makes every rank skip, so replicas
-    and policies stay bitwise identical. The norm is that of the optimizer's gradients
+    and policies stay bitwise identical. DTensor gradients (FSDP2, TP) are reduced over
+    their own mesh; ``norm_parts`` says how plain gradients split over several groups (PP
+    stages, expert groups) are reduced, as in :func:`gradlab.distributed.total_norm`::
+
+        experts = {id(p) for p in model.experts.parameters()}
+        guard = StepGuard(opt, "clip", threshold=1.0, process_group=world, norm_parts=lambda ps: [
+            ([p.grad for p in ps if id(p) not in experts], pp_group),
+            ([p.grad for p in ps if id(p) in experts], [ep_group, pp_group]),
+        ])
+
+    The norm is that of the optimizer's gradients
     in the order of its param groups; ``gradlab.clip_grad_norm_(model.parameters())``
     may sum them in another order and differ in the last bit.
 
@@ -284,7 +294,13 @@ class StepGuard:
         process_group (ProcessGroup, optional): the ranks that decide together.
             Default: None
         grads (str, optional): ``"replicated"`` or ``"sharded"``, required with
-            ``process_group``. Default: None
+            ``process_group`` unless ``norm_parts`` is given. Default: None
+        norm_parts (Callable, optional): for gradients split over several groups (tensor,
+            pipeline and expert parallelism): maps the parameters with a gradient to the
+            ``parts`` of :func:`gradlab.distributed.total_norm`, a list of ``(gradients,
+            groups)``, so that each gradient is reduced over its own groups and a
+            replicated one is counted once. With ``process_group``, every rank of it
+            decides alike. Default: None
 
     Raises:
         TypeError: ``optimizer`` is not a :class:`torch.optim.Optimizer`.
@@ -314,6 +330,7 @@ class StepGuard:
         on_record: Callable[[StepRecord], Any] | None = None,
         process_group: Any = None,
         grads: str | None = None,
+        norm_parts: Callable[[list[Tensor]], Any] | None = None,
     ) -> None:
         _check_optimizer(optimizer)
         _check_choice("mode", mode, _MODES)
@@ -350,7 +367,9 @@ class StepGuard:
             check_int("history", history, 1)
         if on_record is not None and not callable(on_record):
             raise ValueError(f"on_record must be callable, got {type(on_record).__name__}")
-        _check_grad_layout(process_group, grads)
+        if norm_parts is not None and not callable(norm_parts):
+            raise ValueError(f"norm_parts must be callable, got {type(norm_parts).__name__}")
+        _check_grad_layout(process_group, grads, norm_parts is not None)
         device = _first_device(optimizer)
 
         self._optimizer = optimizer
@@ -365,7 +384,8 @@ class StepGuard:
         self._history: deque[StepRecord] | None = None if history is None else deque(maxlen=history)
         self._on_record = on_record
         self._group = process_group
-        self._norm_group = process_group if grads == "sharded" else None
+        self._norm_parts = norm_parts
+        self._norm_group = _norm_group(optimizer, process_group, grads)
         self._steps = 0
         self._last: StepRecord | None = None
         self._recent: deque[Tensor | float] = deque(maxlen=5)  # named by SkipLimitError
@@ -537,7 +557,7 @@ class StepGuard:
         params = self._params_with_grad()
         found_inf = self._scaler_found_inf(params)
         with torch.no_grad():
-            stat, taken, clipped = self._decide(params, loss_t, found_inf, keep)
+            stat, taken, clipped, loss_t = self._decide(params, loss_t, found_inf, keep)
             if self.sync:
                 taken, clipped = _read_decision(taken, clipped)
             output = self._step(taken, closure, closure_loss, params, stat)
@@ -593,11 +613,11 @@ class StepGuard:
         loss: Tensor | None,
         found_inf: Tensor | None,
         condition: Tensor | bool | None = None,
-    ) -> tuple[Tensor, Tensor | bool, Tensor | bool]:
-        """(statistic, keep, clipped) on the device; clips in ``"clip"`` mode. No read."""
+    ) -> tuple[Tensor, Tensor | bool, Tensor | bool, Tensor | None]:
+        """(statistic, keep, clipped, loss) on the device; clips in ``"clip"`` mode. No read."""
         stat = self._statistic(params)
         if self.mode == "none":
-            return stat, True if condition is None else condition, False
+            return stat, True if condition is None else condition, False, loss
         tau = self._threshold if self._policy is None else self._policy.threshold(stat)
         within = self._within(stat, tau, self._policy is not None)
         keep: Tensor | bool
@@ -629,9 +649,11 @@ class StepGuard:
                 keep = keep | forced
         if self._group is not None:
             keep = distributed.all_reduce_keep(keep, self._group)
-        return stat, keep, clipped
+        return stat, keep, clipped, loss
 
     def _statistic(self, params: list[Tensor]) -> Tensor:
+        if self._norm_parts is not None:
+            return distributed.total_norm(self._norm_parts(params), self.norm_type)
         grads = [cast(Tensor, p.grad) for p in params]  # _params_with_grad checked them
         return get_total_norm(grads, self.norm_type, process_group=self._norm_group)
 
@@ -946,8 +968,15 @@ def _skip_above_arg(value: object, threshold: float) -> float:
     return number
 
 
-def _check_grad_layout(process_group: Any, grads: str | None) -> None:
+def _check_grad_layout(process_group: Any, grads: str | None, has_parts: bool) -> None:
     check_process_group(process_group)
+    if has_parts:
+        if grads is not None:
+            raise ValueError(
+                "norm_parts says how every gradient is split across ranks; "
+                f"grads={grads!r} is for a guard without it"
+            )
+        return
     if process_group is None:
         if grads is not None:
             raise ValueError(f"grads={grads!r} is for a guard with a process_group; got none")
@@ -958,6 +987,24 @@ def _check_grad_layout(process_group: Any, grads: str | None) -> None:
             '(DDP: every rank holds the same averaged gradient) or grads="sharded" (each '
             f"rank holds a part, as FSDP2 or tensors split by hand); got grads={grads!r}"
         )
+
+
+def _norm_group(optimizer: torch.optim.Optimizer, process_group: Any, grads: str | None) -> Any:
+    """The group the norm is summed over: none for DTensors, reduced over their own mesh."""
+    if grads != "sharded":
+        return None
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    dtensors = [distributed.is_dtensor(p) for p in params]
+    if all(dtensors):
+        return (
+            None  # FSDP2: their mesh says where they are split; the group again would double-count
+        )
+    if any(dtensors):
+        raise ValueError(
+            'grads="sharded" with DTensor and plain parameters together: pass norm_parts= '
+            "to say which are split over which group (gradlab.distributed.total_norm)"
+        )
+    return process_group
 
 
 def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, sync: bool) -> None:

@@ -71,19 +71,10 @@ def _differs(value, reference, rel=1e-3):
 # ------------------------------------------------------------- DTensor placements
 
 
-#: gradlab.clip._scaled_norm divides a 16-bit tensor by its maximum in 16 bits, so
-#: p > 4 on bfloat16 is off by about 1e-4 even in one process (not a distributed bug).
-_BF16_SCALED = pytest.mark.xfail(
-    strict=True, reason="clip._scaled_norm divides bfloat16 by its max in bfloat16"
-)
-
-
 @pytest.mark.parametrize("dtype", pw.DTYPES, ids=str)
 @pytest.mark.parametrize("p", P_VALUES)
 @pytest.mark.parametrize("case", list(pw.CASES))
-def test_dtensor_norm_counts_every_entry_once(ranks, case, p, dtype, request):
-    if dtype == torch.bfloat16 and p == 8.0:
-        request.applymarker(_BF16_SCALED)
+def test_dtensor_norm_counts_every_entry_once(ranks, case, p, dtype):
     res = _scenario(ranks, "placements")
     full = res[0]["full", case, str(dtype)]
     for r in res:
