@@ -16,7 +16,7 @@ Gradient accumulation has two meanings:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -220,7 +220,7 @@ class MicroBatchAccumulator:
         """
         with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
         params = [self.params[i] for i in with_grad]
-        grads = [p.grad for p in params]
+        grads = [cast(Tensor, p.grad) for p in params]  # the ones with a gradient
         self._check_grads(grads)
         with torch.no_grad():
             if self._scaler is not None:

@@ -83,7 +83,7 @@ def is_read_op(func: object, args: Sequence[object] = ()) -> bool:
     """Whether dispatching the aten operator ``func`` on ``args`` reads the host."""
     if func in READ_OPS:
         return True
-    if func in _INDEX_OPS and len(args) > 1:
+    if func in _INDEX_OPS and len(args) > 1 and isinstance(args[1], list | tuple):
         return any(isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
     return False
 
@@ -180,7 +180,8 @@ class HostReadCounter:
 
     def __exit__(self, *exc_info) -> None:
         stack, self._stack = self._stack, None
-        stack.__exit__(*exc_info)
+        if stack is not None:
+            stack.__exit__(*exc_info)
 
 
 def no_host_reads() -> HostReadCounter:
