@@ -65,7 +65,7 @@ from gradlab._common import (
     device_groups,
     use_foreach,
 )
-from gradlab.flat import FlatGrads, coalesce
+from gradlab.flat import FlatGrads, FlatRuns, coalesce
 
 __all__ = [
     "clip_grad_norm_",
@@ -112,7 +112,7 @@ def _check_total_norm(total_norm: object, name: str = "total_norm") -> Tensor:
 
 
 def _check_eps(eps: object) -> float:
-    return check_real("eps", eps, 0.0, 1.0)
+    return EPS if eps is EPS else check_real("eps", eps, 0.0, 1.0)
 
 
 def _grads_of(parameters: TensorOrTensors | FlatGrads, action: str | None = None) -> list[Tensor]:
@@ -227,6 +227,20 @@ def _group_norms(
     if vectorised:
         return torch.stack(torch._foreach_norm(group, p, dtype=norm_dtype))
     return torch.stack([torch.linalg.vector_norm(g, p, dtype=norm_dtype) for g in group])
+
+
+def _buffer_norm(buffer: Tensor, p: float) -> Tensor:
+    """The p-norm of one non-empty tensor, 0-dim, as ``_group_norms`` takes each: a
+    float32 reduction of 16-bit entries, max |g| by ``aminmax`` on a CPU, scaled above
+    p = 4."""
+    norm_dtype = torch.float32 if buffer.dtype in _LOW_PRECISION else None
+    if p == math.inf and buffer.device.type == "cpu" and buffer.dtype.is_floating_point:
+        low, high = torch.aminmax(buffer)  # see _max_abs_on_cpu
+        largest = torch.maximum(high, low.neg())
+        return largest if norm_dtype is None else largest.to(norm_dtype)
+    if _scaled(p):
+        return _scaled_norm(buffer, p, norm_dtype)
+    return torch.linalg.vector_norm(buffer, p, dtype=norm_dtype)
 
 
 def _total_norm(
@@ -364,9 +378,19 @@ def _norm_of_grads(
     check_flag("error_if_nonfinite", error_if_nonfinite)
     foreach = check_foreach(foreach)
     check_process_group(process_group)
-    if process_group is None and all(type(t) in PLAIN_TYPES for t in tensors):
-        # One tensor (a flat buffer) is its own group, without torch's grouping call.
-        one = len(tensors) == 1
+    one = len(tensors) == 1
+    if process_group is None and one and isinstance(tensors, FlatRuns) and tensors[0].numel():
+        # One flat buffer: its own group, and its norm is the total, one kernel (a norm of
+        # one number would only round it again). A buffer needs no no_grad (no autograd).
+        buffer = tensors[0]
+        groups = [(buffer.device, buffer.dtype, tensors)]
+        if buffer.requires_grad:
+            with torch.no_grad():
+                total = _buffer_norm(buffer, p)
+        else:
+            total = _buffer_norm(buffer, p)
+    elif process_group is None and all(type(t) in PLAIN_TYPES for t in tensors):
+        # One tensor is its own group, without torch's grouping call.
         groups = [(tensors[0].device, tensors[0].dtype, tensors)] if one else device_groups(tensors)
         with torch.no_grad():
             total = _total_norm(tensors, p, foreach, groups)

@@ -95,7 +95,12 @@ class StepRecord:
         output: Any = None,
     ) -> None:
         self.step = int(step)
-        self._norm = total_norm.detach() if isinstance(total_norm, Tensor) else float(total_norm)
+        if isinstance(total_norm, Tensor):
+            self._norm: float | Tensor = (
+                total_norm.detach() if total_norm.requires_grad else total_norm
+            )
+        else:
+            self._norm = float(total_norm)
         self._keep = keep
         self._clipped = clipped
         self.output = output
@@ -762,9 +767,10 @@ class StepGuard:
         keep_t = _as_bool_tensor(keep, taken.device)
         if self._max_skips is not None and self._on_limit != "take":
             over = torch.logical_not(keep_t) & torch.lt(last, self._steps - self._max_skips)
-            self._limit_reached = self._limit_reached | over
+            self._limit_reached.logical_or_(over)  # type: ignore[union-attr]
+        # In place, on tensors made once: a new tensor per step costs more than the kernel.
         taken.add_(keep_t)
-        self._last_taken = torch.where(keep_t, self._steps, last)
+        last.masked_fill_(keep_t, self._steps)
         if isinstance(clipped, Tensor):
             self._clipped.add_(keep_t & clipped)  # type: ignore[union-attr]
 
@@ -898,7 +904,7 @@ class StepGuard:
         else:
             for tensor, value in ((self._taken, taken), (self._clipped, clipped)):
                 tensor.fill_(value)  # type: ignore[union-attr]
-            self._last_taken = torch.full_like(self._last_taken, last)  # type: ignore[arg-type]
+            self._last_taken.fill_(last)  # type: ignore[union-attr]
         self._steps = steps
 
 
