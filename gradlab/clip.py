@@ -383,7 +383,7 @@ def _norm_of_grads(
         # One flat buffer: its own group, and its norm is the total, one kernel (a norm of
         # one number would only round it again). A buffer needs no no_grad (no autograd).
         buffer = tensors[0]
-        groups = [(buffer.device, buffer.dtype, tensors)]
+        groups: Groups = [(buffer.device, buffer.dtype, tensors)]
         if buffer.requires_grad:
             with torch.no_grad():
                 total = _buffer_norm(buffer, p)
