@@ -337,7 +337,7 @@ def test_decision_compiles_with_fullgraph_and_no_recompile_per_threshold(inducto
         guard.threshold = norm * factor
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g.clone()
-        stat, keep, clipped = decide(list(model.parameters()), None, None)
+        stat, keep, clipped, _ = decide(list(model.parameters()), None, None)
         assert stat.item() == pytest.approx(norm, rel=1e-5)
         decisions.append(StepRecord(0, stat, keep, clipped).decision)
     over = "skipped" if mode == "skip" else "clipped"
