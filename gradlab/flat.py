@@ -281,7 +281,8 @@ class FlatGrads:
             optimizer = self._optimizer()
             if optimizer is not None and len(optimizer.param_groups) != self._groups_at_start:
                 raise ValueError(
-                    "a param group was added to the optimizer after flatten_grads(optimizer): "
+                    "a param group was added to the optimizer (add_param_group) after "
+                    "flatten_grads(optimizer): "
                     "its parameters are not in the flat buffer. Call "
                     "gradlab.flatten_grads(optimizer) again (it keeps the gradients' values)"
                 )
@@ -302,7 +303,10 @@ class FlatGrads:
         elif grad is None:
             what = "zero_grad(set_to_none=True) (torch's default) set .grad to None"
         else:
-            what = ".grad was replaced by another tensor"
+            what = (
+                ".grad is a new tensor: zero_grad(set_to_none=True) (torch's default) and a "
+                "backward since, or an assignment to .grad, replaced the view"
+            )
         fix = (
             "Run a backward first (the rebind hooks put the gradients back) or call "
             "flat.zero_grad()."
