@@ -667,3 +667,77 @@ def test_the_functions_compile_with_fullgraph_on_a_flatgrads(backend):
     want = step(eager_flat)
     assert same_bits(got, want)
     assert all(same_bits(a.grad, b.grad) for a, b in zip(params, eager_params, strict=True))
+
+
+# ---------------------------------------------------------- StepGuard and step_if_
+
+
+def _corrupted(batches):
+    x, y = batches[2]
+    return [*batches[:2], (x, y * 1e4), *batches[3:]]
+
+
+@pytest.mark.parametrize("sync", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_guard_skips_exactly_on_flat_gradients(fused, sync):
+    """The run with the bad batch skipped is the run that never saw it, bit for bit."""
+    batches = _batches(5)
+    model, ref = _model(), _model()
+    flatten_grads(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=fused)
+    guard = gradlab.StepGuard(opt, "skip", threshold=50.0, sync=sync)
+    decisions = []
+    for batch in _corrupted(batches):
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        decisions.append(guard.step().decision)
+    for i, batch in enumerate(batches):
+        if i != 2:
+            ref_opt.zero_grad()
+            _loss(ref, batch).backward()
+            ref_opt.step()
+    assert decisions == ["kept", "kept", "skipped", "kept", "kept"]
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert p.grad._base is not None  # still the views
+    assert _same_state(opt.state_dict(), ref_opt.state_dict())
+
+
+def test_a_guard_clips_flat_gradients_as_torch_clips():
+    batches = _corrupted(_batches(4))
+    model, ref = _model(), _model()
+    flatten_grads(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    guard = gradlab.StepGuard(opt, "clip", threshold=1.0)
+    for batch in batches:
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        record = guard.step()
+        ref_opt.zero_grad()
+        _loss(ref, batch).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        assert record.total_norm == pytest.approx(float(norm), rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)  # norms differ by rounding only
+
+
+def test_step_if_on_flat_gradients_leaves_no_trace_when_false():
+    model, ref = _model(), _model()
+    flatten_grads(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    for i, batch in enumerate(_batches(4)):
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        keep = gradlab.keep_by_norm(gradlab.get_total_norm(flat_grads_of(opt)), 1e9)
+        gradlab.step_if_(opt, keep & torch.tensor(i != 1), sync=False)
+        if i != 1:
+            ref_opt.zero_grad()
+            _loss(ref, batch).backward()
+            ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert _same_state(opt.state_dict(), ref_opt.state_dict())
