@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from gradlab_book.exercises import (
-    _answer,
-    _identical,
-    _num,
-    _say,
-    _tensor_text,
-    _value_text,
+from gradlab_book.exercise_kit import (
+    answer,
+    identical,
+    num,
+    say,
+    tensor_text,
+    value_text,
 )
 
 __all__ = ["check_agc"]
@@ -309,7 +309,7 @@ def _close(expected: Tensor, got: Tensor, dtype: torch.dtype) -> bool:
 
 def _unit_norms_text(t: Tensor) -> str:
     norms = _norms64(t.detach().to("cpu", torch.float64), "rows").reshape(-1)
-    return "[" + ", ".join(_num(v) for v in norms.tolist()) + "]"
+    return "[" + ", ".join(num(v) for v in norms.tolist()) + "]"
 
 
 def _unit_name(case: _Case, index: int) -> str:
@@ -376,7 +376,7 @@ def check_agc(fn: Callable) -> bool:
     defaults are checked once, on a call without ``clip_factor`` and ``eps``.
     """
     if not callable(fn):
-        _say([f"Expected a function, got {_value_text(fn)}."])
+        say([f"Expected a function, got {value_text(fn)}."])
         return False
     cases = _cases()
     for index, case in enumerate(cases, start=1):
@@ -386,33 +386,33 @@ def check_agc(fn: Callable) -> bool:
             call_text, kwargs = "fn(weight, grad)", {}
         else:
             kwargs = {"clip_factor": case.clip_factor, "eps": case.eps}
-            call_text = f"fn(weight, grad, clip_factor={_num(rho)}, eps={_num(eps)})"
+            call_text = f"fn(weight, grad, clip_factor={num(rho)}, eps={num(eps)})"
         header = [
             f"Case {index} of {len(cases)} fails: {case.title}.",
             f"  call:        {call_text}",
-            f"  weight:      {_tensor_text(case.weight)}",
-            f"  grad:        {_tensor_text(case.grad)}",
+            f"  weight:      {tensor_text(case.weight)}",
+            f"  grad:        {tensor_text(case.grad)}",
             f"  ||W_i||:     {_unit_norms_text(case.weight)} (one norm per unit)",
             f"  ||G_i||:     {_unit_norms_text(case.grad)}",
         ]
         hint = [f"  Hint: {case.hint}"] if case.hint else []
         weight, grad = _inputs(case)
-        ok, result, detector = _answer(fn, call_text, header, hint, weight, grad, **kwargs)
+        ok, result, detector = answer(fn, call_text, header, hint, weight, grad, **kwargs)
         if not ok:
             return False
         expected = _agc64(case.weight, case.grad, rho, eps)
 
         def fail(*lines: str, _header=header) -> bool:
-            _say([*_header, *lines])
+            say([*_header, *lines])
             return False
 
         # the inputs
-        if not _identical(weight.detach(), case.weight):
+        if not identical(weight.detach(), case.weight):
             return fail(
                 "  Your function changed `weight`: AGC only reads the weights. Leave them "
                 "as they are (work on the norms, never write into the weight)."
             )
-        if not _identical(grad.detach(), case.grad):
+        if not identical(grad.detach(), case.grad):
             return fail(
                 "  Your function changed `grad` in place: return the clipped gradient as a "
                 "new tensor (grad * coef, not grad.mul_(coef)) and leave `grad` as it was."
@@ -420,8 +420,8 @@ def check_agc(fn: Callable) -> bool:
         # the return value
         if not isinstance(result, Tensor):
             return fail(
-                f"  expected:    {_tensor_text(expected.to(case.grad.dtype))}",
-                f"  yours:       {_value_text(result)}",
+                f"  expected:    {tensor_text(expected.to(case.grad.dtype))}",
+                f"  yours:       {value_text(result)}",
                 "  Return the clipped gradient, a new tensor of the shape and dtype of grad.",
             )
         if tuple(result.shape) != tuple(case.grad.shape):
@@ -439,8 +439,8 @@ def check_agc(fn: Callable) -> bool:
             )
         if not _close(expected, result, case.grad.dtype):
             lines = [
-                f"  expected:    {_tensor_text(expected.to(case.grad.dtype))}",
-                f"  yours:       {_tensor_text(result)}",
+                f"  expected:    {tensor_text(expected.to(case.grad.dtype))}",
+                f"  yours:       {tensor_text(result)}",
                 f"  ||G_i|| after, expected {_unit_norms_text(expected)}, "
                 f"yours {_unit_norms_text(result)}",
                 f"  (the first wrong unit is {_first_wrong_unit(case, expected, result)})",
@@ -475,5 +475,5 @@ def check_agc(fn: Callable) -> bool:
                 f"  Your function reads a tensor value on the host, through {operation}; "
                 "decide on the device (torch.where, torch.clamp, a tensor coefficient)."
             )
-    _say([f"All {len(cases)} cases pass."])
+    say([f"All {len(cases)} cases pass."])
     return True

@@ -21,7 +21,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gradlab_book.exercises import _answer, _num, _say, _value_text
+from gradlab_book.exercise_kit import (
+    answer,
+    num,
+    say,
+    value_text,
+)
 
 __all__ = ["check_global_norm", "expected_global_norm"]
 
@@ -118,24 +123,24 @@ def check_global_norm(fn: Callable) -> bool:
     where one is inf; it must not change ``local_norms``.
     """
     if not callable(fn):
-        _say([f"Expected a function, got {_value_text(fn)}."])
+        say([f"Expected a function, got {value_text(fn)}."])
         return False
     for index, (title, norms, p, hint) in enumerate(_CASES, start=1):
         given = list(norms)
-        shown = "[" + ", ".join(_num(n) for n in norms) + "]"
-        call_text = f"fn({shown}, {_num(p)})"
+        shown = "[" + ", ".join(num(n) for n in norms) + "]"
+        call_text = f"fn({shown}, {num(p)})"
         header = [f"Case {index} of {len(_CASES)} fails: {title}.", f"  call:     {call_text}"]
-        ok, result, _ = _answer(fn, call_text, header, [], given, p, watch_host=False)
+        ok, result, _ = answer(fn, call_text, header, [], given, p, watch_host=False)
         if not ok:
             return False
         got = _as_float(result)
         expected = expected_global_norm(norms, p)
         if got is None or not _agrees(expected, got):
-            _say(
+            say(
                 [
                     *header,
-                    f"  expected: {_num(expected)}",
-                    f"  yours:    {_value_text(result) if got is None else _num(got)}",
+                    f"  expected: {num(expected)}",
+                    f"  yours:    {value_text(result) if got is None else num(got)}",
                     *([f"  Hint: {hint}"] if hint else []),
                 ]
             )
@@ -145,7 +150,7 @@ def check_global_norm(fn: Callable) -> bool:
             for a, b in zip(given, norms, strict=False)
         )
         if not same:
-            _say([*header, "  Your function changed local_norms: leave its input as it is."])
+            say([*header, "  Your function changed local_norms: leave its input as it is."])
             return False
-    _say([f"All {len(_CASES)} cases pass."])
+    say([f"All {len(_CASES)} cases pass."])
     return True

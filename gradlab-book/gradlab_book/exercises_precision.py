@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradlab_book.exercises import _call, _num, _Raised, _say, _tensor_text, _value_text
+from gradlab_book.exercise_kit import (
+    Raised,
+    call,
+    num,
+    say,
+    tensor_text,
+    value_text,
+)
 
 __all__ = ["FLOAT16_OVERFLOW", "MAX_LOG2_SCALE", "MIN_LOG2_SCALE", "check_max_loss_scale"]
 
@@ -157,13 +164,13 @@ def _scale_text(value: object) -> str:
     if value is None:
         return "None"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return _value_text(value)
+        return value_text(value)
     x = float(value)
     if x > 0 and math.isfinite(x):
         k = math.log2(x)
         if k == int(k):
-            return f"2**{int(k)} = {_num(x)}"
-    return _num(x)
+            return f"2**{int(k)} = {num(x)}"
+    return num(x)
 
 
 def _gen(tensors: tuple[Tensor, ...]) -> Iterator[Tensor]:
@@ -186,12 +193,12 @@ def check_max_loss_scale(fn: Callable) -> bool:
     for case in cases:
         grads = [g.clone() for g in case.grads]
         arg = _gen(tuple(grads)) if case.generator else list(grads)
-        given = ", ".join(_tensor_text(g) for g in case.grads)
+        given = ", ".join(tensor_text(g) for g in case.grads)
         call_text = f"fn({'a generator of' if case.generator else ''}[{given}])"
         try:
-            got = _call(fn, call_text, arg)
-        except _Raised as raised:
-            _say([f"Case: {case.text}.", *raised.lines, "Not passed."])
+            got = call(fn, call_text, arg)
+        except Raised as raised:
+            say([f"Case: {case.text}.", *raised.lines, "Not passed."])
             return False
         expected = reference_max_loss_scale(list(case.grads))
         lines = [f"Case: {case.text}.", f"  gradients: [{given}]"]
@@ -200,23 +207,23 @@ def check_max_loss_scale(fn: Callable) -> bool:
             for a, b in zip(grads, case.grads, strict=True)
         )
         if changed:
-            _say([*lines, "  Your function changed the gradients it was given.", "Not passed."])
+            say([*lines, "  Your function changed the gradients it was given.", "Not passed."])
             return False
         if isinstance(got, Tensor):
-            _say(
+            say(
                 [
                     *lines,
-                    f"  Your function returned a tensor, {_value_text(got)}: return a Python "
+                    f"  Your function returned a tensor, {value_text(got)}: return a Python "
                     "number (float(...)) or None.",
                     "Not passed.",
                 ]
             )
             return False
         if got is not None and (isinstance(got, bool) or not isinstance(got, numbers.Real)):
-            _say(
+            say(
                 [
                     *lines,
-                    f"  Your function returned {_value_text(got)}: return a Python number or None.",
+                    f"  Your function returned {value_text(got)}: return a Python number or None.",
                     "Not passed.",
                 ]
             )
@@ -237,7 +244,7 @@ def check_max_loss_scale(fn: Callable) -> bool:
             if case.why:
                 lines.append(f"  Hint: {case.why}.")
             lines.append("Not passed.")
-            _say(lines)
+            say(lines)
             return False
-    _say([f"All {len(cases)} cases pass."])
+    say([f"All {len(cases)} cases pass."])
     return True

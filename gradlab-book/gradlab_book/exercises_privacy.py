@@ -16,16 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradlab_book.exercises import (
-    _EPS,
-    _answer,
-    _num,
-    _rejects_host_read,
-    _same,
-    _say,
-    _tensor_text,
-    _tolerance,
-    _value_text,
+from gradlab_book.exercise_kit import (
+    EPS,
+    answer,
+    num,
+    rejects_host_read,
+    same,
+    say,
+    tensor_text,
+    tolerance,
+    value_text,
 )
 
 __all__ = ["check_ghost_norm", "check_ignore_per_sample"]
@@ -58,7 +58,7 @@ def _sample_norm64(grad_samples: Sequence[Tensor], i: int) -> float:
 
 def _keep(norm: float, max_norm: float) -> bool:
     # Python floats: C / inf = 0, inf / inf = NaN, and NaN >= 1 is False: dropped
-    return max_norm / (norm + _EPS) >= 1.0
+    return max_norm / (norm + EPS) >= 1.0
 
 
 def _expected_ignore(case: _IgnoreCase) -> tuple[list[Tensor], list[bool], list[float]]:
@@ -192,7 +192,7 @@ def _ignore_cases() -> list[_IgnoreCase]:
 
 
 def _grads_list_text(tensors: Sequence[Tensor]) -> str:
-    return "[" + ", ".join(_tensor_text(t) for t in tensors) + "]"
+    return "[" + ", ".join(tensor_text(t) for t in tensors) + "]"
 
 
 def check_ignore_per_sample(fn: Callable) -> bool:
@@ -213,36 +213,36 @@ def check_ignore_per_sample(fn: Callable) -> bool:
     Expected sums are computed in float64, sample by sample.
     """
     if not callable(fn):
-        _say([f"Expected a function, got {_value_text(fn)}."])
+        say([f"Expected a function, got {value_text(fn)}."])
         return False
     cases = _ignore_cases()
     for index, case in enumerate(cases, start=1):
         inputs = [g.clone() for g in case.grad_samples]
-        call_text = f"fn(grad_samples, max_norm={_num(case.max_norm)})"
+        call_text = f"fn(grad_samples, max_norm={num(case.max_norm)})"
         expected, keep, norms = _expected_ignore(case)
         kept = [i for i, k in enumerate(keep) if k]
         header = [
             f"Case {index} of {len(cases)} fails: {case.what}.",
             f"  call: {call_text}, with {len(inputs)} tensor(s) of shapes "
             + ", ".join(str(tuple(g.shape)) for g in inputs),
-            "  sample norms: " + ", ".join(_num(n) for n in norms),
+            "  sample norms: " + ", ".join(num(n) for n in norms),
             "  samples to keep: " + (", ".join(map(str, kept)) if kept else "none"),
         ]
         hint = [f"  Hint: {case.hint}"] if case.hint else []
-        ok, result, reads = _answer(fn, call_text, header, hint, inputs, case.max_norm)
+        ok, result, reads = answer(fn, call_text, header, hint, inputs, case.max_norm)
         if not ok:
             return False
         if isinstance(result, Tensor) or not isinstance(result, Sequence):
-            _say(
+            say(
                 [
                     *header,
                     "  expected: a list with one tensor per parameter",
-                    f"  yours:    {_value_text(result)}",
+                    f"  yours:    {value_text(result)}",
                 ]
             )
             return False
         if len(result) != len(expected) or not all(isinstance(r, Tensor) for r in result):
-            _say(
+            say(
                 [
                     *header,
                     f"  expected: a list of {len(expected)} tensors",
@@ -250,11 +250,11 @@ def check_ignore_per_sample(fn: Callable) -> bool:
                 ]
             )
             return False
-        rtol, atol = _tolerance([g.dtype for g in inputs])
+        rtol, atol = tolerance([g.dtype for g in inputs])
         shown = [e.to(g.dtype) for e, g in zip(expected, inputs, strict=True)]
         for k, (exp, got, g) in enumerate(zip(expected, result, inputs, strict=True)):
             if tuple(got.shape) != tuple(g.shape[1:]):
-                _say(
+                say(
                     [
                         *header,
                         f"  tensor {k}: expected shape {tuple(g.shape[1:])}, "
@@ -264,10 +264,10 @@ def check_ignore_per_sample(fn: Callable) -> bool:
                 )
                 return False
             if got.dtype != g.dtype:
-                _say([*header, f"  tensor {k}: expected dtype {g.dtype}, yours {got.dtype}", *hint])
+                say([*header, f"  tensor {k}: expected dtype {g.dtype}, yours {got.dtype}", *hint])
                 return False
-            if not _same(exp, got, rtol, atol):
-                _say(
+            if not same(exp, got, rtol, atol):
+                say(
                     [
                         *header,
                         f"  expected sums: {_grads_list_text(shown)}",
@@ -281,7 +281,7 @@ def check_ignore_per_sample(fn: Callable) -> bool:
             if not torch.equal(before.nan_to_num(), after.nan_to_num()) or not torch.equal(
                 before.isnan(), after.isnan()
             ):
-                _say(
+                say(
                     [
                         *header,
                         f"  Your function modified grad_samples[{k}] in place; "
@@ -289,9 +289,9 @@ def check_ignore_per_sample(fn: Callable) -> bool:
                     ]
                 )
                 return False
-        if _rejects_host_read(reads, f"Case {index} of {len(cases)}: {case.what}.", call_text):
+        if rejects_host_read(reads, f"Case {index} of {len(cases)}: {case.what}.", call_text):
             return False
-    _say([f"All {len(cases)} cases pass."])
+    say([f"All {len(cases)} cases pass."])
     return True
 
 
@@ -388,7 +388,7 @@ def check_ghost_norm(fn: Callable) -> bool:
     of one.
     """
     if not callable(fn):
-        _say([f"Expected a function, got {_value_text(fn)}."])
+        say([f"Expected a function, got {value_text(fn)}."])
         return False
     cases = _ghost_cases()
     for index, case in enumerate(cases, start=1):
@@ -399,21 +399,21 @@ def check_ghost_norm(fn: Callable) -> bool:
             f"  call: {call_text}, a of shape {tuple(a.shape)}, g of shape {tuple(g.shape)}",
         ]
         hint = [f"  Hint: {case.hint}"] if case.hint else []
-        ok, result, _ = _answer(fn, call_text, header, hint, a, g, watch_host=False)
+        ok, result, _ = answer(fn, call_text, header, hint, a, g, watch_host=False)
         if not ok:
             return False
         expected = _expected_ghost(case)
         if not isinstance(result, Tensor):
-            _say(
+            say(
                 [
                     *header,
                     f"  expected: a tensor of shape ({a.shape[0]},)",
-                    f"  yours:    {_value_text(result)}",
+                    f"  yours:    {value_text(result)}",
                 ]
             )
             return False
         if tuple(result.shape) != (a.shape[0],):
-            _say(
+            say(
                 [
                     *header,
                     f"  expected: a tensor of shape ({a.shape[0]},), one norm per sample",
@@ -422,22 +422,22 @@ def check_ghost_norm(fn: Callable) -> bool:
             )
             return False
         if result.dtype != a.dtype:
-            _say([*header, f"  expected dtype {a.dtype}, yours {result.dtype}", *hint])
+            say([*header, f"  expected dtype {a.dtype}, yours {result.dtype}", *hint])
             return False
-        rtol, atol = _tolerance([a.dtype])
-        if not _same(expected, result, rtol, atol):
+        rtol, atol = tolerance([a.dtype])
+        if not same(expected, result, rtol, atol):
             lines = [
                 *header,
-                f"  expected norms: {_tensor_text(expected.to(a.dtype))}",
-                f"  your norms:     {_tensor_text(result)}",
+                f"  expected norms: {tensor_text(expected.to(a.dtype))}",
+                f"  your norms:     {tensor_text(result)}",
             ]
             got64 = result.detach().double()
             if torch.allclose(got64, expected.square(), rtol=rtol, atol=atol, equal_nan=True):
                 lines.append("  Yours are the squared norms: take the square root.")
-            _say([*lines, *hint])
+            say([*lines, *hint])
             return False
         if not (torch.equal(a.nan_to_num(), case.a.nan_to_num()) and torch.equal(g, case.g)):
-            _say([*header, "  Your function modified a or g in place."])
+            say([*header, "  Your function modified a or g in place."])
             return False
-    _say([f"All {len(cases)} cases pass."])
+    say([f"All {len(cases)} cases pass."])
     return True

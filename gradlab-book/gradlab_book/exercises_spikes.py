@@ -17,7 +17,13 @@ import math
 import numbers
 from collections.abc import Callable
 
-from gradlab_book.exercises import _call, _num, _Raised, _say, _value_text
+from gradlab_book.exercise_kit import (
+    Raised,
+    call,
+    num,
+    say,
+    value_text,
+)
 
 __all__ = ["check_suppressed_steps", "reference_suppressed_steps"]
 
@@ -109,33 +115,33 @@ def check_suppressed_steps(fn: Callable) -> bool:
     exactly with the float64 recursion (:func:`reference_suppressed_steps`).
     """
     if not callable(fn):
-        _say([f"Expected a function, got {_value_text(fn)}."])
+        say([f"Expected a function, got {value_text(fn)}."])
         return False
     for ratio, level, beta2, why in _CASES:
-        call = f"fn(ratio={_num(ratio)}, level={_num(level)}, beta2={_num(beta2)})"
+        call_text = f"fn(ratio={num(ratio)}, level={num(level)}, beta2={num(beta2)})"
         expected = reference_suppressed_steps(ratio, level, beta2)
         try:
-            got = _call(fn, call, ratio, level, beta2)
-        except _Raised as raised:
-            _say([f"Case: {call}.", *raised.lines, "Not passed."])
+            got = call(fn, call_text, ratio, level, beta2)
+        except Raised as raised:
+            say([f"Case: {call_text}.", *raised.lines, "Not passed."])
             return False
         count = _integer(got)
         if count is None:
-            _say(
+            say(
                 [
-                    f"Case: {call}.",
-                    f"  Expected an integer, {_steps(expected)}; got {_value_text(got)}.",
+                    f"Case: {call_text}.",
+                    f"  Expected an integer, {_steps(expected)}; got {value_text(got)}.",
                     "  Round: the answer counts whole steps (math.ceil or math.floor).",
                     "Not passed.",
                 ]
             )
             return False
         if count != expected:
-            lines = [f"Case: {call}.", f"  Expected {_steps(expected)}, got {count}."]
+            lines = [f"Case: {call_text}.", f"  Expected {_steps(expected)}, got {count}."]
             hint = _diagnose(ratio, level, beta2, count, expected) or why
             if hint:
                 lines.append(f"  Hint: {hint}.")
-            _say([*lines, "Not passed."])
+            say([*lines, "Not passed."])
             return False
-    _say([f"All {len(_CASES)} cases pass."])
+    say([f"All {len(_CASES)} cases pass."])
     return True

@@ -29,7 +29,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradlab_book.exercises import _answer, _num, _say, _value_text
+from gradlab_book.exercise_kit import (
+    answer,
+    num,
+    say,
+    value_text,
+)
 
 __all__ = ["check_warmup_threshold", "check_zclip_step"]
 
@@ -124,7 +129,7 @@ def _threshold_mistakes(values: Sequence[float], q: float) -> list[tuple[float, 
         out.append(
             (
                 _linear(finite, q / 100.0),
-                f"Your value is the {_num(q / 100)}th percentile, not the {_num(q)}th: "
+                f"Your value is the {num(q / 100)}th percentile, not the {num(q)}th: "
                 "numpy.percentile takes q from 0 to 100, torch.quantile and numpy.quantile "
                 "take q/100 from 0 to 1. Convert once.",
             )
@@ -235,13 +240,13 @@ def _window_values(arg: Any, case: _WindowCase) -> list[float]:
 
 def _window_text(values: Sequence[float]) -> str:
     if len(values) <= 8:
-        return "[" + ", ".join(_num(v) for v in values) + "]"
+        return "[" + ", ".join(num(v) for v in values) + "]"
     finite = [v for v in values if math.isfinite(v)]
     nans = sum(math.isnan(v) for v in values)
     infs = sum(math.isinf(v) for v in values)
     extra = "".join(f", {count} {name}" for count, name in ((nans, "NaN"), (infs, "inf")) if count)
     return (
-        f"<{len(values)} norms, finite ones from {_num(min(finite))} to {_num(max(finite))}{extra}>"
+        f"<{len(values)} norms, finite ones from {num(min(finite))} to {num(max(finite))}{extra}>"
     )
 
 
@@ -281,7 +286,7 @@ def check_warmup_threshold(fn: Callable) -> bool:
     be modified. No labels are involved: nothing says which steps were bad.
     """
     if not callable(fn):
-        _say([f"Expected a function, got {_value_text(fn)}."])
+        say([f"Expected a function, got {value_text(fn)}."])
         return False
     cases = _window_cases()
     for index, case in enumerate(cases, start=1):
@@ -289,7 +294,7 @@ def check_warmup_threshold(fn: Callable) -> bool:
         original = _copy(arg)
         values = _window_values(arg, case)
         q = 90.0 if case.percentile is None else float(case.percentile)
-        call_text = "fn(norms)" if case.percentile is None else f"fn(norms, {_num(q)})"
+        call_text = "fn(norms)" if case.percentile is None else f"fn(norms, {num(q)})"
         header = [
             f"Case {index} of {len(cases)} fails: {case.title}.",
             f"  call:     {call_text}",
@@ -302,17 +307,17 @@ def check_warmup_threshold(fn: Callable) -> bool:
                 "  Hint: with no finite norm in the window there is nothing to set a "
                 "threshold from: return math.inf (no clipping yet)."
             ]
-        ok, result, _ = _answer(fn, call_text, header, hint, *args, watch_host=False)
+        ok, result, _ = answer(fn, call_text, header, hint, *args, watch_host=False)
         if not ok:
             return False
         expected = _threshold64(values, q)
         got = _as_number(result)
         if got is None:
-            _say(
+            say(
                 [
                     *header,
                     f"  expected: the number {_n(expected)}",
-                    f"  yours:    {_value_text(result)}",
+                    f"  yours:    {value_text(result)}",
                     "  Your function must return one number (a float or a 0-dim tensor).",
                 ]
             )
@@ -332,12 +337,12 @@ def check_warmup_threshold(fn: Callable) -> bool:
                     if not _close(expected, value, rtol) and _close(value, got, rtol):
                         lines.append(f"  {why}")
                         break
-            _say(lines)
+            say(lines)
             return False
         if not _unchanged(arg, original):
-            _say([*header, "  Your function modified the window it was given: leave it as it is."])
+            say([*header, "  Your function modified the window it was given: leave it as it is."])
             return False
-    _say([f"All {len(cases)} cases pass."])
+    say([f"All {len(cases)} cases pass."])
     return True
 
 
@@ -466,13 +471,13 @@ def _zclip_args(case: _ZCase) -> tuple[tuple[Any, ...], dict[str, float], str]:
     values = (case.x, case.mean, case.var)
     if case.tensors:
         args: tuple[Any, ...] = tuple(torch.tensor(v, dtype=torch.float64) for v in values)
-        shown = ", ".join(f"tensor({_num(v)})" for v in values)
+        shown = ", ".join(f"tensor({num(v)})" for v in values)
     else:
-        args, shown = values, ", ".join(_num(v) for v in values)
+        args, shown = values, ", ".join(num(v) for v in values)
     if case.defaults:
         return args, {}, f"fn({shown})"
     kwargs = {"alpha": case.alpha, "z_thresh": case.z_thresh, "eps": case.eps}
-    more = ", ".join(f"{k}={_num(v)}" for k, v in kwargs.items())
+    more = ", ".join(f"{k}={num(v)}" for k, v in kwargs.items())
     return args, kwargs, f"fn({shown}, {more})"
 
 
@@ -491,24 +496,24 @@ def check_zclip_step(fn: Callable) -> bool:
     match the float64 reference within a relative 1e-9. The defaults are checked once.
     """
     if not callable(fn):
-        _say([f"Expected a function, got {_value_text(fn)}."])
+        say([f"Expected a function, got {value_text(fn)}."])
         return False
     cases = _zclip_cases()
     for index, case in enumerate(cases, start=1):
         args, kwargs, call_text = _zclip_args(case)
         header = [f"Case {index} of {len(cases)} fails: {case.title}.", f"  call:     {call_text}"]
-        ok, result, _ = _answer(fn, call_text, header, [], *args, watch_host=False, **kwargs)
+        ok, result, _ = answer(fn, call_text, header, [], *args, watch_host=False, **kwargs)
         if not ok:
             return False
         settings = (case.alpha, case.z_thresh, case.eps)
         expected = _zclip64(case.x, case.mean, case.var, *settings)
         shown = ", ".join(_n(v) for v in expected)
         if not isinstance(result, tuple | list) or len(result) != 3:
-            _say(
+            say(
                 [
                     *header,
                     f"  expected: a tuple (tau, new_mean, new_var) = ({shown})",
-                    f"  yours:    {_value_text(result)}",
+                    f"  yours:    {value_text(result)}",
                     "  Return the three values as a tuple: return tau, new_mean, new_var.",
                 ]
             )
@@ -517,11 +522,11 @@ def check_zclip_step(fn: Callable) -> bool:
         if any(g is None for g in got):
             bad = next(i for i, g in enumerate(got) if g is None)
             name = ("tau", "new_mean", "new_var")[bad]
-            _say(
+            say(
                 [
                     *header,
                     f"  {name} must be a number (a float or a 0-dim tensor), got "
-                    f"{_value_text(result[bad])}.",
+                    f"{value_text(result[bad])}.",
                 ]
             )
             return False
@@ -544,7 +549,7 @@ def check_zclip_step(fn: Callable) -> bool:
             if differs and all(_close(w, g, 1e-9) for w, g in zip(wrong, got, strict=True)):
                 lines.append(f"  {why}")
                 break
-        _say(lines)
+        say(lines)
         return False
-    _say([f"All {len(cases)} cases pass."])
+    say([f"All {len(cases)} cases pass."])
     return True

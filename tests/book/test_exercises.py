@@ -17,6 +17,7 @@ from verdicts import assert_fails, assert_passes, run
 
 import gradlab
 from gradlab_book import exercises as ex
+from gradlab_book import exercises_training as ext
 
 # ------------------------------------------------------------ correct answers
 
@@ -97,7 +98,7 @@ def ref_guarded_step(parameters, optimizer, max_norm):
         (ex.check_grad_ignore_norm, gradlab.grad_ignore_norm_),
         (ex.check_grad_ignore_value, ref_grad_ignore_value_),
         (ex.check_grad_ignore_value, gradlab.grad_ignore_value_),
-        (ex.check_guarded_step, ref_guarded_step),
+        (ext.check_guarded_step, ref_guarded_step),
     ],
     ids=lambda x: getattr(x, "__qualname__", str(x)),
 )
@@ -195,7 +196,7 @@ def _stub(*args, **kwargs):
         ex.check_clip_grad_value,
         ex.check_grad_ignore_norm,
         ex.check_grad_ignore_value,
-        ex.check_guarded_step,
+        ext.check_guarded_step,
     ],
 )
 def test_not_implemented_is_reported(check, capsys):
@@ -800,14 +801,14 @@ def _step_generator_twice(parameters, optimizer, max_norm):
     ids=lambda x: getattr(x, "__name__", ""),
 )
 def test_guarded_step_rejects(fn, fragments, capsys):
-    assert_fails(ex.check_guarded_step, fn, capsys, *fragments)
+    assert_fails(ext.check_guarded_step, fn, capsys, *fragments)
 
 
 def test_guarded_step_accepts_a_tensor_bool(capsys):
     def tensor_bool(parameters, optimizer, max_norm):
         return torch.tensor(ref_guarded_step(parameters, optimizer, max_norm))
 
-    assert_passes(ex.check_guarded_step, tensor_bool, capsys)
+    assert_passes(ext.check_guarded_step, tensor_bool, capsys)
 
 
 def _step_iterates_a_bare_tensor(parameters, optimizer, max_norm):
@@ -841,7 +842,7 @@ def _step_returns_a_0dim_float(parameters, optimizer, max_norm):
     ids=lambda x: getattr(x, "__name__", ""),
 )
 def test_guarded_step_rejects_bare_tensor_mistakes(fn, fragments, capsys):
-    assert_fails(ex.check_guarded_step, fn, capsys, *fragments)
+    assert_fails(ext.check_guarded_step, fn, capsys, *fragments)
 
 
 @pytest.mark.parametrize(
@@ -857,7 +858,7 @@ def test_guarded_step_accepts_bool_like_returns(wrap, capsys):
     def answer(parameters, optimizer, max_norm):
         return wrap(ref_guarded_step(parameters, optimizer, max_norm))
 
-    assert_passes(ex.check_guarded_step, answer, capsys)
+    assert_passes(ext.check_guarded_step, answer, capsys)
 
 
 def test_guarded_step_passes_a_bare_tensor(capsys):
@@ -867,7 +868,7 @@ def test_guarded_step_passes_a_bare_tensor(capsys):
         seen.append(type(parameters))
         return ref_guarded_step(parameters, optimizer, max_norm)
 
-    assert_passes(ex.check_guarded_step, recording, capsys)
+    assert_passes(ext.check_guarded_step, recording, capsys)
     assert torch.nn.Parameter in seen and list in seen
 
 
@@ -881,7 +882,7 @@ def test_guarded_step_makes_the_first_step_bad(capsys):
             return True
         return ref_guarded_step(params, optimizer, max_norm)
 
-    out = assert_fails(ex.check_guarded_step, takes_the_first_step, capsys, "must be skipped")
+    out = assert_fails(ext.check_guarded_step, takes_the_first_step, capsys, "must be skipped")
     assert "step 1 of 4" in out
 
 
@@ -897,7 +898,7 @@ def test_guarded_step_names_the_state_that_moved(capsys):
         optimizer.step()
         return ok
 
-    out = assert_fails(ex.check_guarded_step, zero_then_step, capsys, "must be skipped")
+    out = assert_fails(ext.check_guarded_step, zero_then_step, capsys, "must be skipped")
     assert "parameter" in out
 
 
@@ -910,7 +911,7 @@ OUTLIERS = [5.0, 40.0, math.inf, math.nan]
 
 @pytest.mark.parametrize("threshold", [2.0, 3.0, 4.99, 1.99, torch.tensor(2.5)])
 def test_threshold_choice_accepts(threshold, capsys):
-    assert ex.check_threshold_choice(threshold, CLEAN, OUTLIERS) is True
+    assert ext.check_threshold_choice(threshold, CLEAN, OUTLIERS) is True
     out = capsys.readouterr().out
     assert out.endswith("Passed.\n")
     assert "ignores 4 of 4 outlier steps" in out
@@ -918,7 +919,7 @@ def test_threshold_choice_accepts(threshold, capsys):
 
 def test_threshold_choice_accepts_tensors_and_fraction(capsys):
     clean = torch.tensor(CLEAN)
-    assert ex.check_threshold_choice(1.505, clean, torch.tensor([9.0]), keep_fraction=0.5)
+    assert ext.check_threshold_choice(1.505, clean, torch.tensor([9.0]), keep_fraction=0.5)
     assert "keeps 51 of 100 clean steps" in capsys.readouterr().out
 
 
@@ -943,7 +944,7 @@ def test_threshold_choice_accepts_tensors_and_fraction(capsys):
     ],
 )
 def test_threshold_choice_rejects(threshold, fragments, capsys):
-    assert ex.check_threshold_choice(threshold, CLEAN, OUTLIERS) is False
+    assert ext.check_threshold_choice(threshold, CLEAN, OUTLIERS) is False
     out = capsys.readouterr().out
     for fragment in fragments:
         assert fragment in out, out
@@ -964,7 +965,7 @@ def test_threshold_choice_rejects(threshold, fragments, capsys):
     ids=lambda t: f"{type(t).__name__} {getattr(t, 'dtype', '')}",
 )
 def test_threshold_choice_accepts_0dim_tensors_and_numbers(threshold, recwarn, capsys):
-    assert ex.check_threshold_choice(threshold, CLEAN, OUTLIERS) is True
+    assert ext.check_threshold_choice(threshold, CLEAN, OUTLIERS) is True
     out = capsys.readouterr().out
     assert out.endswith("Passed.\n") and "ignores 4 of 4" in out
     assert not recwarn.list  # no requires_grad or complex-cast warning
@@ -983,16 +984,16 @@ def test_threshold_choice_accepts_0dim_tensors_and_numbers(threshold, recwarn, c
     ids=["tensor", "2-d tensor", "list of 0-dim tensors", "requires_grad", "numpy", "generator"],
 )
 def test_threshold_choice_takes_norms_in_any_container(clean, recwarn, capsys):
-    assert ex.check_threshold_choice(2.0, clean, torch.tensor(OUTLIERS)) is True
+    assert ext.check_threshold_choice(2.0, clean, torch.tensor(OUTLIERS)) is True
     assert "keeps 100 of 100 clean steps" in capsys.readouterr().out
     assert not recwarn.list
 
 
 def test_threshold_choice_one_bare_0dim_norm(capsys):
     # one bare 0-dim tensor is one step, on either side
-    assert ex.check_threshold_choice(2.0, torch.tensor(1.5), torch.tensor(9.0)) is True
+    assert ext.check_threshold_choice(2.0, torch.tensor(1.5), torch.tensor(9.0)) is True
     assert "keeps 1 of 1 clean steps" in capsys.readouterr().out
-    assert ex.check_threshold_choice(2.0, torch.tensor(1.5), torch.tensor(1.9)) is False
+    assert ext.check_threshold_choice(2.0, torch.tensor(1.5), torch.tensor(1.9)) is False
     assert "Too high" in capsys.readouterr().out
 
 
@@ -1002,41 +1003,42 @@ def test_threshold_choice_one_bare_0dim_norm(capsys):
     ids=["complex", "list of 1-d tensors", "a bare number", "strings"],
 )
 def test_threshold_choice_rejects_norms_that_are_not_numbers(clean, recwarn, capsys):
-    assert ex.check_threshold_choice(2.0, clean, [9.0]) is False
+    assert ext.check_threshold_choice(2.0, clean, [9.0]) is False
     assert "must be sequences of numbers" in capsys.readouterr().out
     assert not recwarn.list
 
 
 def test_threshold_choice_says_when_impossible(capsys):
-    assert ex.check_threshold_choice(1.5, CLEAN, [1.2]) is False
+    assert ext.check_threshold_choice(1.5, CLEAN, [1.2]) is False
     assert "No threshold can meet both rules" in capsys.readouterr().out
 
 
 def test_threshold_choice_survives_a_nan_clean_norm(capsys):
     # a NaN clean norm is ignored by every threshold: no IndexError, a verdict
-    assert ex.check_threshold_choice(1.5, [1.0, math.nan], [9.0]) is False
+    assert ext.check_threshold_choice(1.5, [1.0, math.nan], [9.0]) is False
     out = capsys.readouterr().out
     assert "keeps 1 of 2 clean steps" in out and "No threshold can meet" in out
-    assert ex.check_threshold_choice(1.5, [1.0, math.nan], [9.0], keep_fraction=0.5)
+    assert ext.check_threshold_choice(1.5, [1.0, math.nan], [9.0], keep_fraction=0.5)
 
 
 @pytest.mark.parametrize("fraction", [1.5, -0.1, math.nan, "0.9", True])
 def test_threshold_choice_rejects_a_bad_fraction(fraction, capsys):
-    assert ex.check_threshold_choice(2.0, CLEAN, OUTLIERS, keep_fraction=fraction) is False
+    assert ext.check_threshold_choice(2.0, CLEAN, OUTLIERS, keep_fraction=fraction) is False
     assert "keep_fraction must be a number from 0 to 1" in capsys.readouterr().out
-    assert ex.check_threshold_choice(2.0, CLEAN, OUTLIERS, catch_fraction=fraction) is False
+    assert ext.check_threshold_choice(2.0, CLEAN, OUTLIERS, catch_fraction=fraction) is False
     assert "catch_fraction must be a number from 0 to 1" in capsys.readouterr().out
 
 
 def test_threshold_choice_catch_fraction(capsys):
     # 5.5 keeps the outlier 5.0: passes when three of the four must be caught
-    assert ex.check_threshold_choice(5.5, CLEAN, OUTLIERS, catch_fraction=0.75)
+    assert ext.check_threshold_choice(5.5, CLEAN, OUTLIERS, catch_fraction=0.75)
     assert "ignores 3 of 4 outlier steps (at least 3, 75%" in capsys.readouterr().out
-    assert ex.check_threshold_choice(50.0, CLEAN, OUTLIERS, catch_fraction=0.75) is False
+    assert ext.check_threshold_choice(50.0, CLEAN, OUTLIERS, catch_fraction=0.75) is False
     assert "Too high" in capsys.readouterr().out
 
 
 def test_every_check_has_a_docstring_saying_what_is_checked():
-    for name in ex.__all__:
-        doc = getattr(ex, name).__doc__
-        assert doc and "Check" in doc, name
+    for module in (ex, ext):
+        for name in module.__all__:
+            doc = getattr(module, name).__doc__
+            assert doc and "Check" in doc, name

@@ -17,6 +17,7 @@ from verdicts import assert_fails, assert_passes, run
 
 from gradlab.adaptive import agc_
 from gradlab_book import exercises_agc as ex
+from gradlab_book.exercise_kit import identical
 from gradlab_book.exercises_agc import check_agc
 
 N = len(ex._cases())
@@ -87,7 +88,7 @@ def test_reference_matches_hand_computed_values():
     for k in (9, 10):
         case = ex._cases()[k]
         got = ex._agc64(case.weight, case.grad, 0.1, 1e-3)
-        assert ex._identical(got[0].float(), case.grad[0])
+        assert identical(got[0].float(), case.grad[0])
         assert torch.allclose(got[1], torch.tensor([0.06, 0.08], dtype=torch.float64))
 
 

@@ -214,10 +214,8 @@ def _chapter_b():
         cells=[
             new_markdown_cell("# Chapter Beta"),
             new_code_cell(
-                "from gradlab_book.exercises import (\n"
-                "    check_clip_grad_value,\n"
-                "    check_threshold_choice,\n"
-                ")\n\n"
+                "from gradlab_book.exercises import check_clip_grad_value\n"
+                "from gradlab_book.exercises_training import check_threshold_choice\n\n"
                 'print("imports ok")'
             ),
             new_markdown_cell(":::{exercise}\n:label: fixture-b-threshold\nChoose `answer`.\n:::"),
