@@ -26,12 +26,12 @@ into an existing ``.grad``), optimizers step on them as on any gradient, and a n
 rescaling, a zeroing or a clamp of all of them is one kernel over the buffer, whatever
 the number of tensors::
 
-    flat = gradlab.flatten_grads(model)       # the one line, after model.to(device)
+    flat = gradlab.flat.flatten_grads(model)  # the one line, after model.to(device)
     for x, y in data:
         loss_fn(model(x), y).backward()
-        gradlab.clip_grad_norm_(flat, 1.0)    # one norm and one multiply per buffer
+        gradlab.clip_grad_norm_(flat, 1.0)       # one norm and one multiply per buffer
         optimizer.step()
-        optimizer.zero_grad()                 # set_to_none=True is handled (see FlatGrads)
+        optimizer.zero_grad()                    # set_to_none=True is handled (FlatGrads)
 
 Every function of :mod:`gradlab.clip` takes the :class:`FlatGrads` object in place of
 ``parameters`` (or ``tensors``) and then reads no parameter at all: a check of two
@@ -161,11 +161,10 @@ class FlatGrads:
         self._heads = self._heads_of(self._runs_members)
         for p in self._params:
             _OWNER[p] = weakref.ref(self)
-        keys = [id(v) for v in self._views]
-        me = weakref.ref(self)
-        _SLOTS.update((id(v), (v, me, i)) for i, v in enumerate(self._views))
-        weakref.finalize(self, _drop_slots, keys)
-        self._slot_keys = keys
+        self._slot_keys = [id(v) for v in self._views]
+        self._me = weakref.ref(self)
+        _SLOTS.update((id(v), (v, self._me, i)) for i, v in enumerate(self._views))
+        weakref.finalize(self, _drop_slots, self._slot_keys, self._me)
         if rebind:
             self._hooks.extend(
                 p.register_post_accumulate_grad_hook(_rebind_hook(self, i, v))
@@ -275,7 +274,7 @@ class FlatGrads:
         if not self._alive:
             raise ValueError(
                 "this FlatGrads was removed (flat.remove(), or flatten_grads made another "
-                "for its parameters): use the new one, or gradlab.flatten_grads(...) again"
+                "for its parameters): use the new one, or gradlab.flat.flatten_grads(...) again"
             )
         if self._optimizer is not None:
             optimizer = self._optimizer()
@@ -284,7 +283,7 @@ class FlatGrads:
                     "a param group was added to the optimizer (add_param_group) after "
                     "flatten_grads(optimizer): "
                     "its parameters are not in the flat buffer. Call "
-                    "gradlab.flatten_grads(optimizer) again (it keeps the gradients' values)"
+                    "gradlab.flat.flatten_grads(optimizer) again (it keeps the gradients' values)"
                 )
         compiling = torch.compiler.is_compiling()
         for param, view, address in self._heads:
@@ -312,10 +311,10 @@ class FlatGrads:
             "flat.zero_grad()."
             if self._rebind
             else "Use optimizer.zero_grad(set_to_none=False) or flat.zero_grad(), or "
-            "gradlab.flatten_grads(..., rebind=True), which puts each new gradient back."
+            "gradlab.flat.flatten_grads(..., rebind=True), which puts each new gradient back."
         )
         if "moved" in what:
-            fix = "Call gradlab.flatten_grads(...) again after model.to(...)."
+            fix = "Call gradlab.flat.flatten_grads(...) again after model.to(...)."
         return f"the gradients are no longer views of the flat buffer: {what}. {fix}"
 
     def zero_grad(self) -> None:
@@ -323,7 +322,8 @@ class FlatGrads:
 
         The fast ``zero_grad`` of flat mode: ``optimizer.zero_grad(set_to_none=False)``
         gives the same zeros with one kernel per tensor. A parameter whose ``.grad`` is
-        not its view (``set_to_none=True``, an assignment) is bound to it again.
+        not its view (``set_to_none=True``, an assignment) is bound to it again (one
+        identity check per parameter finds them).
 
         Returns:
             None
@@ -348,6 +348,12 @@ class FlatGrads:
 
         Afterwards the gradients are ordinary tensors (views of a buffer that lives as
         long as they do), and this object refuses to be used.
+
+        Returns:
+            None
+
+        .. note::
+            No host read.
         """
         if not self._alive:
             return
@@ -355,7 +361,8 @@ class FlatGrads:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        _drop_slots(getattr(self, "_slot_keys", []))
+        if self._ddp is None:
+            _drop_slots(self._slot_keys, self._me)
         for p in self._params:
             ref = _OWNER.get(p)
             if ref is not None and ref() is self:
@@ -379,7 +386,7 @@ class FlatGrads:
         if grad._base is not None and grad._base is not view._base:
             raise RuntimeError(
                 f"parameter {index}'s .grad is now a view of another buffer (DDP's "
-                "gradient_as_bucket_view?): call gradlab.flatten_grads on the "
+                "gradient_as_bucket_view?): call gradlab.flat.flatten_grads on the "
                 "DistributedDataParallel module, not on the module inside it"
             )
         _check_same_place(param, view)
@@ -462,7 +469,7 @@ def _check_same_place(param: Tensor, view: Tensor) -> None:
         raise ValueError(
             f"a parameter is now {param.dtype} on {param.device} with shape "
             f"{tuple(param.shape)}, its flat gradient {view.dtype} on {view.device}: the "
-            "model was moved or cast after flatten_grads. Call gradlab.flatten_grads(...) "
+            "model was moved or cast after flatten_grads. Call gradlab.flat.flatten_grads(...) "
             "again after model.to(...)."
         )
 
@@ -493,7 +500,7 @@ def _unique_leaves(params: Iterable[Tensor]) -> list[Tensor]:
             raise ValueError(
                 f"params holds a {type(p).__name__} (a DTensor: FSDP2 or tensor "
                 "parallelism?); flat buffers are for plain parameters. FSDP2 allocates its "
-                "sharded gradients itself at each backward; see gradlab.flatten_grads"
+                "sharded gradients itself at each backward; see gradlab.flat.flatten_grads"
             )
         if not p.requires_grad or id(p) in seen:
             continue
@@ -534,7 +541,7 @@ def flatten_grads(obj: Any, *, rebind: bool = True) -> FlatGrads:
     The one line that turns flat mode on (see :class:`FlatGrads` and this module's
     docstring for what it gives and costs)::
 
-        flat = gradlab.flatten_grads(model)    # after model.to(device), before training
+        flat = gradlab.flat.flatten_grads(model)  # after model.to(device), before training
         ...
         gradlab.clip_grad_norm_(flat, 1.0)
 
@@ -706,9 +713,12 @@ class FlatRuns(list):
 _SLOTS: dict[int, tuple[Tensor, weakref.ref, int]] = {}
 
 
-def _drop_slots(keys: list[int]) -> None:
+def _drop_slots(keys: list[int], owner: weakref.ref) -> None:
+    """Forget the views of one FlatGrads (only its own entries: an id can be reused)."""
     for key in keys:
-        _SLOTS.pop(key, None)
+        entry = _SLOTS.get(key)
+        if entry is not None and entry[1] is owner:
+            del _SLOTS[key]
 
 
 def _registered_runs(tensors: list[Tensor]) -> list[Tensor] | None:

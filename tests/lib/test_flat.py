@@ -741,3 +741,50 @@ def test_step_if_on_flat_gradients_leaves_no_trace_when_false():
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
     assert _same_state(opt.state_dict(), ref_opt.state_dict())
+
+
+# -------------------------------------------------------------------- GradScaler, CUDA
+
+
+def test_gradscaler_unscales_the_views_in_place():
+    batches = _batches(3)
+    model, ref = _model(), _model()
+    flat = flatten_grads(model)
+    runs = []
+    for m, f in ((model, flat), (ref, None)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        for batch in batches:
+            opt.zero_grad()
+            scaler.scale(_loss(m, batch)).backward()
+            scaler.unscale_(opt)
+            if f is None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            else:
+                gradlab.clip_grad_norm_(f, 0.5)
+            scaler.step(opt)
+            scaler.update()
+        runs.append(m)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+        assert _storage(p.grad) == _storage(flat.buffers[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_one_buffer_and_torchs_results(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(40)]).to("cuda", dtype)
+    ref = copy.deepcopy(model)
+    flat = flatten_grads(model)
+    x = torch.randn(8, 16, device="cuda", dtype=dtype)
+    for m in (model, ref):
+        m(x).float().square().sum().backward()
+    assert len(flat.buffers) == 1 and flat.buffers[0].is_cuda
+    expected = math_norm([q.grad for q in ref.parameters()], 2.0)
+    total = gradlab.clip_grad_norm_(flat, 0.5 * expected)
+    assert float(total) == pytest.approx(expected, rel=1e-5)
+    torch.nn.utils.clip_grads_with_norm_(ref.parameters(), 0.5 * expected, total)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert _same(p.grad, q.grad)
