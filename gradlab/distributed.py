@@ -114,6 +114,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_mean",
     "all_reduce_norm",
+    "group_beyond_meshes",
     "is_dtensor",
     "local_tensors",
     "refuse_partial",
@@ -254,6 +255,49 @@ def _summed_dims(t: DTensor) -> tuple[int, ...]:
     """
     return tuple(
         d for d, pl in enumerate(t.placements) if not (pl.is_replicate() or pl.is_partial())
+    )
+
+
+def group_beyond_meshes(
+    tensors: list[Tensor], process_group: ProcessGroup | None
+) -> ProcessGroup | None:
+    """What of ``process_group`` the DTensors' own meshes do not already reduce over.
+
+    A DTensor's norm is reduced over the mesh dims it is sharded on. A group that adds
+    ranks none of those meshes hold (a pipeline group beside FSDP2 stages) is reduced
+    over after them; a group all of whose ranks the meshes already reduce over (the FSDP2
+    mesh itself) adds nothing, and reducing over it again would count every shard twice.
+
+    Args:
+        tensors (list[Tensor]): DTensors (plain tensors are passed over).
+        process_group (ProcessGroup, optional): the group the caller decides over.
+
+    Returns:
+        ProcessGroup or None: ``process_group`` where it is disjoint from the meshes
+        (sharing this rank only), ``None`` where the meshes cover it.
+
+    Raises:
+        ValueError: ``process_group`` overlaps a mesh in part (a world group over FSDP
+            and pipeline ranks): which ranks hold other parts cannot be told; pass the
+            pipeline group, or the parts themselves (:func:`total_norm`).
+    """
+    if process_group is None:
+        return None
+    ranks = _ranks(process_group)
+    meshes: set[int] = set()
+    for t in tensors:
+        if is_dtensor(t):
+            for d in _summed_dims(t):
+                meshes |= _ranks(t.device_mesh.get_group(d))
+    if len(ranks & meshes) <= 1:
+        return process_group
+    if ranks <= meshes:
+        return None
+    raise ValueError(
+        f"process_group holds the ranks {sorted(ranks)}, of which the DTensors' meshes "
+        f"already reduce over {sorted(ranks & meshes)}: a sum over both would count some "
+        "shards twice, and the others cannot be told apart. Pass the group the meshes do "
+        "not cover (the pipeline group), or the parts with gradlab.distributed.total_norm"
     )
 
 

@@ -428,6 +428,11 @@ class StepGuard:
         return self._scheduler
 
     @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler the guard drives (``None`` if it was given none)."""
+        return self._scaler
+
+    @property
     def threshold(self) -> float | ThresholdPolicy:
         """The threshold: a float or the policy (settable)."""
         return self._policy if self._policy is not None else self._threshold
@@ -996,15 +1001,13 @@ def _check_grad_layout(process_group: Any, grads: str | None, has_parts: bool) -
 
 
 def _norm_group(optimizer: torch.optim.Optimizer, process_group: Any, grads: str | None) -> Any:
-    """The group the norm is summed over: none for DTensors, reduced over their own mesh."""
+    """The group the norm is summed over, beyond what DTensors' own meshes reduce."""
     if grads != "sharded":
         return None
     params = [p for g in optimizer.param_groups for p in g["params"]]
     dtensors = [distributed.is_dtensor(p) for p in params]
     if all(dtensors):
-        return (
-            None  # FSDP2: their mesh says where they are split; the group again would double-count
-        )
+        return distributed.group_beyond_meshes(params, process_group)
     if any(dtensors):
         raise ValueError(
             'grads="sharded" with DTensor and plain parameters together: pass norm_parts= '

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 from torch.optim import optimizer as _optim_module
 
+from gradlab import distributed
 from gradlab._common import SAME_WIDTH_INT, check_flag, check_keep, select_bits_
 
 __all__ = ["step_if_"]
@@ -133,15 +134,17 @@ def step_if_(
     check_flag("sync", sync)
     if isinstance(keep, bool):
         return _step(optimizer, closure) if keep else None
-    if sync or _has_user_step_hooks(optimizer):  # hooks are host code: skip by not stepping
-        return _step(optimizer, closure) if bool(keep) else None
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        return _fused_step_if(optimizer, keep, closure)
-    if isinstance(optimizer, torch.optim.SparseAdam):
+    parts = _parts(optimizer)
+    if sync or any(_has_user_step_hooks(o) for o in (optimizer, *parts)):
+        return _step(optimizer, closure) if bool(keep) else None  # hooks are host code
+    if all(_honours_found_inf(o) for o in parts):
+        return _fused_step_if(optimizer, parts, keep, closure)
+    if any(isinstance(o, torch.optim.SparseAdam) for o in parts):
         raise ValueError(
             "step_if_(sync=False) cannot snapshot SparseAdam's sparse state; use sync=True"
         )
-    return _snapshot_of(optimizer).step_if(keep, lambda: _step(optimizer, closure))
+    snapshots = [_snapshot_of(o) for o in parts]
+    return _snapshot_step_if(snapshots, keep, lambda: _step(optimizer, closure))
 
 
 def _step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:
@@ -156,16 +159,54 @@ def mark_internal_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _has_user_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    # getattr: a wrapper that never ran Optimizer.__init__ (Accelerate's) has no hooks
     pre = [
         h
-        for h in optimizer._optimizer_step_pre_hooks.values()
+        for h in getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()
         if not getattr(h, "gradlab_internal", False)
     ]
     return bool(
         pre
-        or optimizer._optimizer_step_post_hooks
+        or getattr(optimizer, "_optimizer_step_post_hooks", None)
         or _optim_module._global_optimizer_pre_hooks
         or _optim_module._global_optimizer_post_hooks
+    )
+
+
+def _parts(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers whose state a step of ``optimizer`` changes.
+
+    A container that steps several optimizers and keeps no state of its own (torchtitan's
+    ``OptimizersContainer``, one optimizer per model part) lists them in ``.optimizers``;
+    any other optimizer is its own part.
+    """
+    inner = getattr(optimizer, "optimizers", None)
+    if (
+        isinstance(inner, list | tuple)
+        and inner
+        and all(isinstance(o, torch.optim.Optimizer) and o is not optimizer for o in inner)
+    ):
+        return [part for o in inner for part in _parts(o)]
+    return [optimizer]
+
+
+#: torch.optim's optimizers whose fused kernels skip a step when found_inf is nonzero.
+_FUSED_FOUND_INF = (torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def _honours_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step of ``optimizer`` skips itself when its ``found_inf`` is set.
+
+    torch marks it (``_step_supports_amp_scaling``) when ``fused=True`` is a default; an
+    optimizer made with ``fused`` in every param group (as torchtitan builds them) runs
+    the same kernels.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return True
+    return (
+        isinstance(optimizer, _FUSED_FOUND_INF)
+        and bool(optimizer.param_groups)
+        and all(g.get("fused") for g in optimizer.param_groups)
     )
 
 
@@ -175,32 +216,37 @@ def _stepped_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 
 def _fused_step_if(
-    optimizer: torch.optim.Optimizer, keep: Tensor, closure: Callable[[], Any] | None
+    optimizer: torch.optim.Optimizer,
+    parts: list[torch.optim.Optimizer],
+    keep: Tensor,
+    closure: Callable[[], Any] | None,
 ) -> Any:
-    """Step a fused optimizer with ``found_inf`` set from ``keep``, for this call only.
+    """Step with ``found_inf`` set from ``keep`` on every fused part, for this call only.
 
     The fused kernels leave the parameters and moments alone when ``found_inf`` is
     nonzero and undo their own ``step += 1``. A first step still creates state entries,
     which only the host can remove: that step reads ``keep``.
     """
     # opt.state is a defaultdict: an entry read before the first step is empty.
-    fresh = [p for p in _stepped_params(optimizer) if not optimizer.state.get(p)]
-    previous = optimizer.__dict__.get("found_inf", _MISSING)
-    flag = _found_inf_flag(optimizer, keep.device)
-    torch.logical_not(keep, out=flag)  # one kernel, into a tensor made once
-    # The attribute GradScaler sets (torch's fused optimizers read it with getattr).
-    setattr(optimizer, "found_inf", flag)  # noqa: B010
+    fresh = [(o, p) for o in parts for p in _stepped_params(o) if not o.state.get(p)]
+    previous = [o.__dict__.get("found_inf", _MISSING) for o in parts]
+    for o in parts:
+        flag = _found_inf_flag(o, keep.device)
+        torch.logical_not(keep, out=flag)  # one kernel, into a tensor made once
+        # The attribute GradScaler sets (torch's fused optimizers read it with getattr).
+        setattr(o, "found_inf", flag)  # noqa: B010
     try:
         output = _step(optimizer, closure)
     finally:
-        if previous is _MISSING:
-            delattr(optimizer, "found_inf")
-        else:
-            setattr(optimizer, "found_inf", previous)  # noqa: B010
-    created = [p for p in fresh if optimizer.state.get(p)]
+        for o, before in zip(parts, previous, strict=True):
+            if before is _MISSING:
+                delattr(o, "found_inf")
+            else:
+                setattr(o, "found_inf", before)  # noqa: B010
+    created = [(o, p) for o, p in fresh if o.state.get(p)]
     if created and not bool(keep):
-        for p in created:
-            del optimizer.state[p]
+        for o, p in created:
+            del o.state[p]
     return output
 
 
@@ -246,14 +292,30 @@ def snapshot_buffers(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [] if snapshot is None else list(snapshot.buffers)
 
 
+class _Captured:
+    """What one snapshot recorded before a step: the tensors and the containers."""
+
+    __slots__ = ("groups", "n_state", "params", "state")
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        state: dict[Tensor, _Node],
+        groups: list[dict[str, _Node]],
+        n_state: int,
+    ) -> None:
+        self.params, self.state, self.groups, self.n_state = params, state, groups, n_state
+
+
 class _Snapshot:
-    """Copy, step, then select or restore, for one optimizer.
+    """Copy before a step, then select or restore after it, for one optimizer.
 
     The copy covers the parameters that have a gradient (the only ones a torch.optim
     step changes), their state (tensors nested in lists, tuples and dicts included) and
     every param group's entries but ``params``. Captured values are :class:`_Leaf`
     (a tensor, by its index among the copied tensors), :class:`_Mapping`,
-    :class:`_Sequence` and :class:`_Value` nodes.
+    :class:`_Sequence` and :class:`_Value` nodes. A DTensor (FSDP2) is copied and
+    selected through its local shard, which is where its values are.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -262,57 +324,37 @@ class _Snapshot:
         self.buffers: list[Tensor] = []
         self._by_device: list[tuple[list[Tensor], list[Tensor]]] = []
 
-    def step_if(self, keep: Tensor, step: Callable[[], Any]) -> Any:
-        """``step()``, then put everything back as before it unless ``keep``."""
+    def capture(self) -> _Captured:
+        """Record the containers and copy every tensor the step can change."""
         opt = self._optimizer
         params = _stepped_params(opt)
         # The parameters come first among the copied tensors, so buffers[i] is the copy
         # of params[i] for every i < len(params).
         leaves: list[Tensor] = list(params)
-        n_state = len(opt.state)
         state = {p: _capture(opt.state[p], leaves) for p in params if p in opt.state}
         groups = [
             {k: _capture(v, leaves) for k, v in g.items() if k != "params"}
             for g in opt.param_groups
         ]
-        with torch.no_grad():
-            self._copy(leaves)
-            try:
-                output = step()
-            except BaseException:
-                self._restore(params, state, groups)
-                raise
-            pairs = list(zip(params, self.buffers, strict=False))
-            same = self._same_structure(n_state, state, groups, pairs)
-            if same:
-                masks: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-                for live, old in pairs:
-                    select_bits_(live, old, keep, _mask(masks, keep, live))
-            elif not bool(keep):  # the one host read: a select cannot undo a new structure
-                self._restore(params, state, groups)
-        return output
+        self._copy(leaves)
+        return _Captured(params, state, groups, len(opt.state))
 
-    def _same_structure(
-        self,
-        n_state: int,
-        state: dict[Tensor, _Node],
-        groups: list[dict[str, _Node]],
-        pairs: list[tuple[Tensor, Tensor]],
-    ) -> bool:
-        """Whether the step kept every container as it was, so that a select can undo it.
-
-        Adds the (live, copy) pair of every state and param-group tensor to ``pairs``.
-        """
+    def pairs_if_same(self, captured: _Captured) -> list[tuple[Tensor, Tensor]] | None:
+        """(live, copy) for every tensor, if the step kept every container as it was (so
+        that a select can undo it); None if it changed one."""
         opt, buffers = self._optimizer, self.buffers
-        if len(opt.state) != n_state or any(p not in opt.state for p in state):
-            return False
-        if not all(_match(node, opt.state[p], buffers, pairs) for p, node in state.items()):
-            return False
-        return all(
-            g.keys() - {"params"} == before.keys()
-            and all(_match(node, g[k], buffers, pairs) for k, node in before.items())
-            for g, before in zip(opt.param_groups, groups, strict=True)
-        )
+        pairs = list(zip(captured.params, buffers, strict=False))
+        if len(opt.state) != captured.n_state or any(p not in opt.state for p in captured.state):
+            return None
+        for p, node in captured.state.items():
+            if not _match(node, opt.state[p], buffers, pairs):
+                return None
+        for g, before in zip(opt.param_groups, captured.groups, strict=True):
+            if g.keys() - {"params"} != before.keys():
+                return None
+            if not all(_match(node, g[k], buffers, pairs) for k, node in before.items()):
+                return None
+        return pairs
 
     def _copy(self, leaves: list[Tensor]) -> None:
         if len(leaves) != len(self._leaves) or any(
@@ -320,32 +362,57 @@ class _Snapshot:
         ):
             self._leaves = leaves
             self.buffers = [
-                torch.empty_like(t, memory_format=torch.contiguous_format) for t in leaves
+                torch.empty_like(_local(t), memory_format=torch.contiguous_format) for t in leaves
             ]
             groups: dict[torch.device, tuple[list[Tensor], list[Tensor]]] = {}
             for t, b in zip(leaves, self.buffers, strict=True):
-                pair = groups.setdefault(t.device, ([], []))
-                pair[0].append(t)
+                pair = groups.setdefault(b.device, ([], []))
+                pair[0].append(_local(t))
                 pair[1].append(b)
             self._by_device = list(groups.values())
         for tensors, buffers in self._by_device:
             torch._foreach_copy_(buffers, tensors)
 
-    def _restore(
-        self, params: list[Tensor], state: dict[Tensor, _Node], groups: list[dict[str, _Node]]
-    ) -> None:
+    def restore(self, captured: _Captured) -> None:
         """Put back every container and tensor as it was before the step (same objects)."""
         opt = self._optimizer
-        for p, old in zip(params, self.buffers, strict=False):
-            p.copy_(old)
-        for p in [p for p in params if p in opt.state and p not in state]:
+        for p, old in zip(captured.params, self.buffers, strict=False):
+            _local(p).copy_(old)
+        for p in [p for p in captured.params if p in opt.state and p not in captured.state]:
             del opt.state[p]
-        for p, node in state.items():
+        for p, node in captured.state.items():
             opt.state[p] = node.put_back(self.buffers)
-        for g, before in zip(opt.param_groups, groups, strict=True):
+        for g, before in zip(opt.param_groups, captured.groups, strict=True):
             for key in [k for k in g if k != "params" and k not in before]:
                 del g[key]
             g.update({k: node.put_back(self.buffers) for k, node in before.items()})
+
+
+def _snapshot_step_if(snapshots: list[_Snapshot], keep: Tensor, step: Callable[[], Any]) -> Any:
+    """``step()``, then leave every snapshotted optimizer as before it unless ``keep``."""
+    with torch.no_grad():
+        captured = [s.capture() for s in snapshots]
+        try:
+            output = step()
+        except BaseException:
+            for s, c in zip(snapshots, captured, strict=True):
+                s.restore(c)
+            raise
+        pairs = [s.pairs_if_same(c) for s, c in zip(snapshots, captured, strict=True)]
+        if all(p is not None for p in pairs):
+            masks: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+            for live, old in (pair for part in pairs for pair in part or ()):
+                local = _local(live)
+                select_bits_(local, old, keep, _mask(masks, keep, local))
+        elif not bool(keep):  # the one host read: a select cannot undo a new structure
+            for s, c in zip(snapshots, captured, strict=True):
+                s.restore(c)
+    return output
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (a view: writes reach the DTensor), any other tensor."""
+    return distributed.local_tensors([t])[0]
 
 
 def _mask(masks: dict[tuple[torch.device, torch.dtype], Tensor], keep: Tensor, live: Tensor):
@@ -366,7 +433,7 @@ class _Leaf:
         self.tensor, self.index = tensor, index
 
     def put_back(self, buffers: list[Tensor]) -> Tensor:
-        self.tensor.copy_(buffers[self.index])
+        _local(self.tensor).copy_(buffers[self.index])
         return self.tensor
 
 

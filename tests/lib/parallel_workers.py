@@ -364,6 +364,19 @@ def scenario_pp(ctx: Ctx) -> dict:
         total_norm([(shards, [world, tp])])
     except ValueError as err:
         out["refused_parts"] = str(err)
+    # What a StepGuard over a group adds to the DTensors' own reduction.
+    beyond = gradlab.distributed.group_beyond_meshes
+    out["beyond_pp"], out["beyond_tp"] = beyond(grads, pp) is pp, beyond(grads, tp) is None
+    try:
+        beyond(grads, world)
+        out["beyond_world"] = "accepted"
+    except ValueError as err:
+        out["beyond_world"] = str(err)
+    params = with_grads(stage_grads(ctx, stage))
+    guard = gradlab.StepGuard(
+        torch.optim.SGD(params, lr=0.0), threshold=1e9, process_group=pp, grads="sharded"
+    )
+    out["guard_norm"] = guard.step().total_norm
     for value in (math.nan, math.inf):
         bad = stage_grads(ctx, stage)
         if ctx.rank == WORLD - 1:

@@ -272,6 +272,17 @@ def test_groups_that_would_count_twice_are_refused(ranks):
         assert "the groups of parts[0][1] share the ranks" in r.get("refused_parts", "")
 
 
+def test_a_guard_over_the_pipeline_group_sums_the_stages(ranks):
+    """StepGuard(grads="sharded", process_group=pp) with DTensor stages: the meshes reduce
+    over TP, the guard over PP; a group the meshes already cover adds nothing, and a world
+    group that mixes both is refused (which ranks hold other stages cannot be told)."""
+    for res in _scenario(ranks, "pp"):
+        assert res["beyond_pp"] and res["beyond_tp"]
+        assert "already reduce over" in res["beyond_world"]
+        assert "pipeline group" in res["beyond_world"]
+        assert res["guard_norm"] == float(res["gradlab", 2.0])
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
 def test_pipeline_nonfinite_on_one_stage_reaches_every_stage(ranks, value):
     res = _scenario(ranks, "pp")

@@ -223,3 +223,66 @@ def test_nan_keep_is_impossible_and_a_nan_gradient_is_rejected_exactly():
     assert all(torch.equal(a, p) for a, p in zip(params, model.parameters(), strict=True))
     after = opt.state_dict()["state"]
     assert all(torch.equal(before[k][n], after[k][n]) for k in before for n in before[k])
+
+
+class _Container(torch.optim.Optimizer):
+    """One optimizer per model part, stepped together and holding no state of its own,
+    as torchtitan's OptimizersContainer does."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+
+    def step(self, closure=None):
+        for o in self.optimizers:
+            o.step()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "snapshot"])
+def test_a_container_of_optimizers_skips_every_part(fused):
+    """The container's own state is empty: snapshotting it alone restored the parameters
+    but let the parts' Adam moments and step counts move."""
+
+    def run(batches, guarded):
+        model = model_for("AdamW")
+        first, _, second = model.children()
+        parts = [
+            torch.optim.AdamW(m.parameters(), lr=0.01, fused=fused or None) for m in (first, second)
+        ]
+        opt = _Container(parts)
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            step_if_(opt, _keep(model), sync=False) if guarded else opt.step()
+        return model, parts
+
+    stream, kept = _streams()
+    model, parts = run(stream, True)
+    ref_model, ref_parts = run(kept, False)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for a, b in zip(parts, ref_parts, strict=True):
+        assert_identical((nn.Module(), a, None), (nn.Module(), b, None))
+
+
+def test_fused_in_every_param_group_is_taken_as_fused():
+    """torchtitan builds its optimizers with fused=True in each param group: the same
+    kernels, which honour found_inf, so no copy and no host read is needed."""
+    model = model_for("AdamW")
+    group = {"params": list(model.parameters()), "fused": True}
+    opt = torch.optim.AdamW([group], lr=0.01, weight_decay=0.1)  # as OPTIMIZERS["AdamW-fused"]
+    assert not getattr(opt, "_step_supports_amp_scaling", False)
+    stream, kept = _streams()
+    reads = []
+    for x, y in stream:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        keep = _keep(model)
+        with HostReadCounter() as counter:
+            step_if_(opt, keep, sync=False)
+        reads.append(counter.count)
+    assert snapshot_buffers(opt) == []  # the fused path: nothing copied
+    assert reads[2:] == [0] * (len(stream) - 2)  # after the first taken step
+    ref = _run("AdamW-fused", kept)
+    for p, q in zip(model.parameters(), ref[0].parameters(), strict=True):
+        assert torch.equal(p, q)
