@@ -8,6 +8,8 @@
 * :mod:`gradlab.accumulation`: gradient accumulation that leaves out a bad micro-batch;
 * :mod:`gradlab.per_sample`: per-sample clipping and ignoring (DP-SGD), ghost norms;
 * :mod:`gradlab.distributed`: norms and decisions over process groups and DTensors;
+* :mod:`gradlab.flat`: one contiguous gradient buffer, so that every function acts on
+  thousands of gradients in one kernel;
 * :mod:`gradlab.sync`: what counts as a host read, and a detector for it.
 
 The book's own code is a separate distribution, ``gradlab-book``; nothing here imports it.
@@ -26,6 +28,7 @@ from gradlab.clip import (
     keep_by_norm,
     keep_by_value,
 )
+from gradlab.flat import FlatGrads, flat_grads_of, flatten_grads
 from gradlab.guard import DECISIONS, SkipLimitError, StepGuard, StepRecord
 from gradlab.per_sample import (
     GhostClipping,
@@ -39,6 +42,7 @@ from gradlab.step import step_if_
 __all__ = [
     "DECISIONS",
     "AutoClip",
+    "FlatGrads",
     "GhostClipping",
     "MicroBatchAccumulator",
     "SigmaSkip",
@@ -52,6 +56,8 @@ __all__ = [
     "clip_grad_value_",
     "clip_grads_with_norm_",
     "clip_per_sample_",
+    "flat_grads_of",
+    "flatten_grads",
     "get_total_norm",
     "grad_ignore_norm_",
     "grad_ignore_value_",

@@ -160,7 +160,15 @@ def _ratio(max_norm: Threshold, total_norm: Tensor, eps: float = EPS) -> Tensor:
     two steps, with a tensor rounded to the norm's dtype as that float would be, give
     the same bits without the read.
     """
-    shifted = total_norm + eps if eps else total_norm
+    if torch.compiler.is_compiling():  # numbers stay numbers, which compile folds
+        shifted = total_norm + eps if eps else total_norm
+        return torch.reciprocal(shifted) * _like(max_norm, total_norm)
+    # Eagerly, cached 0-dim constants: the same bits as the numbers (rounded to the
+    # norm's dtype either way), without a wrapped tensor made at every call.
+    dtype, device = total_norm.dtype, total_norm.device
+    shifted = torch.add(total_norm, constant(eps, dtype, device)) if eps else total_norm
+    if isinstance(max_norm, float):
+        return torch.reciprocal(shifted) * constant(max_norm, dtype, device)
     return torch.reciprocal(shifted) * _like(max_norm, total_norm)
 
 

@@ -42,6 +42,7 @@ from gradlab.clip import (
     keep_by_norm,
     keep_by_value,
 )
+from gradlab.flat import FlatGrads, flat_grads_of
 from gradlab.step import mark_internal_hook, step_if_
 
 __all__ = ["DECISIONS", "SkipLimitError", "StepGuard", "StepRecord"]
@@ -604,7 +605,10 @@ class StepGuard:
             raise ValueError(f"loss must be a number or a 0-dim tensor, got {type(loss).__name__}")
         return torch.tensor(float(loss), dtype=torch.float64) if self._needs_loss else None
 
-    def _params_with_grad(self) -> list[Tensor]:
+    def _params_with_grad(self) -> list[Tensor] | FlatGrads:
+        flat = flat_grads_of(self._optimizer) if self._norm_parts is None else None
+        if flat is not None:
+            return flat  # every parameter has a gradient, a dense view: no walk needed
         params = [
             p for g in self._optimizer.param_groups for p in g["params"] if p.grad is not None
         ]
@@ -619,7 +623,7 @@ class StepGuard:
 
     def _decide(
         self,
-        params: list[Tensor],
+        params: list[Tensor] | FlatGrads,
         loss: Tensor | None,
         found_inf: Tensor | None,
         condition: Tensor | bool | None = None,
@@ -661,7 +665,9 @@ class StepGuard:
             keep = distributed.all_reduce_keep(keep, self._group)
         return stat, keep, clipped, loss
 
-    def _statistic(self, params: list[Tensor]) -> Tensor:
+    def _statistic(self, params: list[Tensor] | FlatGrads) -> Tensor:
+        if isinstance(params, FlatGrads):
+            return get_total_norm(params, self.norm_type, process_group=self._norm_group)
         if self._norm_parts is not None:
             return distributed.total_norm(self._norm_parts(params), self.norm_type)
         grads = [cast(Tensor, p.grad) for p in params]  # _params_with_grad checked them
@@ -672,7 +678,7 @@ class StepGuard:
             return keep_by_value(stat, tau)
         return keep_by_norm(stat, tau, eps=0.0 if relative else EPS)
 
-    def _clip(self, params: list[Tensor], stat: Tensor, tau: float | Tensor) -> None:
+    def _clip(self, params: list[Tensor] | FlatGrads, stat: Tensor, tau: float | Tensor) -> None:
         if self.by == "value":
             clip_grad_value_(params, tau)
         else:
@@ -714,7 +720,7 @@ class StepGuard:
         keep: Tensor | bool,
         closure: Callable[[], Any] | None,
         closure_loss: Any,
-        params: list[Tensor],
+        params: list[Tensor] | FlatGrads,
         stat: Tensor,
     ) -> Any:
         opt_closure = None if closure is None else self._closure_for_step(closure, closure_loss)
@@ -834,7 +840,7 @@ class StepGuard:
 
         return mark_internal_hook(refuse_stray_step)
 
-    def _scaler_found_inf(self, params: list[Tensor]) -> Tensor | None:
+    def _scaler_found_inf(self, params: list[Tensor] | FlatGrads) -> Tensor | None:
         """The scaler's found_inf for this step, unscaling first if it was not done."""
         scaler = self._scaler
         if scaler is None or not scaler.is_enabled():
@@ -847,7 +853,7 @@ class StepGuard:
             )
         if state["stage"] is OptState.READY:
             scaler.unscale_(self._optimizer)  # the guard must measure unscaled gradients
-        device = params[0].device
+        device = params.buffers[0].device if isinstance(params, FlatGrads) else params[0].device
         found = [f.to(device) for f in state["found_inf_per_device"].values()]
         return torch.stack(found).sum() if found else None
 

@@ -56,6 +56,7 @@ from torch.optim import optimizer as _optim_module
 
 from gradlab import distributed
 from gradlab._common import SAME_WIDTH_INT, check_flag, check_keep, select_bits_
+from gradlab.flat import flat_grads_of
 
 __all__ = ["step_if_"]
 
@@ -215,6 +216,14 @@ def _stepped_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
+def _all_have_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s gradients are flat (:func:`gradlab.flat.flat_grads_of`)
+    and every one of its parameters has optimizer state, without a walk over them."""
+    flat = flat_grads_of(optimizer)
+    state = optimizer.state
+    return flat is not None and len(state) == len(flat) and all(state.values())
+
+
 def _fused_step_if(
     optimizer: torch.optim.Optimizer,
     parts: list[torch.optim.Optimizer],
@@ -227,8 +236,16 @@ def _fused_step_if(
     nonzero and undo their own ``step += 1``. A first step still creates state entries,
     which only the host can remove: that step reads ``keep``.
     """
-    # opt.state is a defaultdict: an entry read before the first step is empty.
-    fresh = [(o, p) for o in parts for p in _stepped_params(o) if not o.state.get(p)]
+    # opt.state is a defaultdict: an entry read before the first step is empty. A part
+    # whose gradients are flat steps every parameter, so once each has state nothing in
+    # it is fresh: no look-up per parameter.
+    fresh = [
+        (o, p)
+        for o in parts
+        if not _all_have_state(o)
+        for p in _stepped_params(o)
+        if not o.state.get(p)
+    ]
     previous = [o.__dict__.get("found_inf", _MISSING) for o in parts]
     for o in parts:
         flag = _found_inf_flag(o, keep.device)
