@@ -107,7 +107,7 @@ def _check_total_norm(total_norm: object, name: str = "total_norm") -> Tensor:
     if type(total_norm) not in PLAIN_TYPES and distributed.is_dtensor(total_norm):
         # torch.nn.utils.get_total_norm of DTensor gradients: its global value (a
         # collective, which every rank of the mesh makes, as it calls this too).
-        return total_norm.full_tensor()  # type: ignore[attr-defined]
+        return total_norm.full_tensor()
     return total_norm
 
 

@@ -444,7 +444,7 @@ class FlatGrads:
                 "DDP's gradients are not views of its buckets (gradient_as_bucket_view=True "
                 "is needed, and no .grad assigned by hand)"
             )
-        self._views = [g if g is not None else torch.empty(0) for g in grads]  # type: ignore[misc]
+        self._views = [g if g is not None else torch.empty(0) for g in grads]
         self._runs = runs
         self._heads = self._heads_of([[present[j] for j in run] for run in members])
         # A parameter that has no gradient yet (before the first backward) makes the

@@ -769,8 +769,8 @@ class StepGuard:
     def _count(self, keep: Tensor | bool, clipped: Tensor | bool) -> None:
         if self.sync:
             if keep:
-                self._taken += 1  # type: ignore[operator]
-                self._clipped += bool(clipped)  # type: ignore[operator]
+                self._taken += 1
+                self._clipped += bool(clipped)
                 self._last_taken = self._steps
             return
         taken, last = self._taken, self._last_taken
@@ -798,9 +798,9 @@ class StepGuard:
         if limit is None or self._on_limit == "take":
             return
         if self.sync:
-            if self._steps - 1 - self._last_taken <= limit:  # type: ignore[operator]
+            if self._steps - 1 - self._last_taken <= limit:
                 return
-            run = self._steps - 1 - self._last_taken  # type: ignore[operator]
+            run = self._steps - 1 - self._last_taken
             where = f"at step {self._steps - 1}"
         else:
             if self._steps % limit:

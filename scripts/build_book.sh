@@ -2,7 +2,10 @@
 # Set up everything, then build the book.
 #
 #  1. .venv with the pinned requirements.txt (torch 2.13.0, CPU wheel), the library
-#     (gradlab) and the book's distribution (gradlab-book), both editable;
+#     (gradlab) and the book's distribution (gradlab-book), both editable; and two more
+#     environments, each with the library editable: .venv-torch-2.14 (the library suite
+#     on the newest torch, requirements-torch-2.14.txt) and .venv-integrations (the
+#     trainers, requirements-integrations.txt);
 #  2. what the browser tests need outside Python: Chromium and Node.js/npm (through
 #     apt-get on Debian or Ubuntu as root; elsewhere one sentence says what to install),
 #     and the local copies of the CDN files the pages load (npm ci in tests/browser);
@@ -23,6 +26,19 @@ fi
 # requirements.txt pins the dependencies of the library and its test extra, of the book's
 # distribution and of the book's toolchain; --no-deps keeps pip from resolving them again.
 .venv/bin/python -m pip install --quiet --no-deps -e . -e ./gradlab-book
+
+# The other environments: every line of their requirements is pinned, so --no-deps.
+# torch first and alone, pinned, so that nothing pulls in a second torch.
+make_env() {
+  local env=$1 requirements=$2 torch=$3
+  [ -x "$env/bin/python" ] || "$python" -m venv "$env"
+  "$env/bin/python" -m pip install --quiet --upgrade pip
+  "$env/bin/python" -m pip install --quiet --no-deps "torch==$torch"
+  "$env/bin/python" -m pip install --quiet --no-deps -r "$requirements"
+  "$env/bin/python" -m pip install --quiet --no-deps -e .
+}
+make_env .venv-torch-2.14 requirements-torch-2.14.txt 2.14.1
+make_env .venv-integrations requirements-integrations.txt 2.13.0
 
 source scripts/system_deps.sh
 install_system_deps

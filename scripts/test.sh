@@ -1,26 +1,44 @@
 #!/usr/bin/env bash
 # Run every test, suite by suite (run scripts/build_book.sh once first):
 #
-#   lint       ruff check and ruff format --check
-#   library    tests/lib: the library against torch.nn.utils and float64 maths
-#   packaging  tests/packaging: the two wheels (library, gradlab-book) built, their files,
-#              each in a fresh venv: imports, and the chapters that read data, run alone
-#   book       tests/book (figures, exercise checks, student edition) and nbval, strict,
-#              on every notebook under book/
-#   browser    tests/browser: the built site in Chromium
-#   pdf        tests/pdf: the PDF edition and the student PDF
+#   lint           ruff check, ruff format --check, and mypy over gradlab/
+#   library        tests/lib: the library against torch.nn.utils and float64 maths
+#   library-torch-2.14
+#                  tests/lib again, in .venv-torch-2.14: the newest torch the library claims
+#   packaging      tests/packaging: the two wheels (library, gradlab-book) built, their
+#                  files, each in a fresh venv: imports, and the chapters that read data,
+#                  run alone
+#   integrations   tests/integrations, in .venv-integrations: gradlab inside Lightning,
+#                  Accelerate, the Transformers Trainer and torchtitan's optimizer block
+#   assignments    tests/assignments: the otter-grader assignments, graded round trip
+#   book           tests/book (figures, exercise checks, student edition) and nbval,
+#                  strict, on every notebook under book/
+#   book-numerics  the book suite again under another CPU's float kernels
+#                  (ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OPENBLAS_CORETYPE=Haswell):
+#                  the committed outputs must not depend on the machine that wrote them
+#   browser        tests/browser: the built site in Chromium
+#   pdf            tests/pdf: the PDF edition and the student PDF
 # `bash scripts/test.sh library book` runs only the suites named. Each suite's time is
 # printed at the end, then one line with the counts of all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 suites=("$@")
-[ ${#suites[@]} -gt 0 ] || suites=(lint library packaging book browser pdf)
+[ ${#suites[@]} -gt 0 ] || suites=(
+  lint library library-torch-2.14 packaging integrations assignments book book-numerics
+  browser pdf
+)
 wants() { [[ " ${suites[*]} " == *" $1 "* ]]; }
 
 # Everything a suite needs is checked before any test runs.
 problems=()
-[ -x .venv/bin/python ] || problems+=("there is no .venv: run 'bash scripts/build_book.sh' first")
+for env in .venv .venv-torch-2.14 .venv-integrations; do
+  case $env in
+    .venv-torch-2.14) wants library-torch-2.14 || continue ;;
+    .venv-integrations) wants integrations || continue ;;
+  esac
+  [ -x "$env/bin/python" ] || problems+=("there is no $env: run 'bash scripts/build_book.sh' first")
+done
 if wants browser; then
   source scripts/system_deps.sh
   missing=$(missing_system_deps)
@@ -42,27 +60,44 @@ mkdir -p "$results"
 timings=()
 failed=()
 
-# A failing suite does not stop the others; the script fails at the end.
+# A failing suite does not stop the others; the script fails at the end. The suite runs
+# in .venv, or in the environment named by PYTHON_ENV, with the variables of suite_env.
+suite_env=()
 run_suite() {
   local name=$1
   shift
   local t0=$SECONDS
-  echo "== $name: pytest $*"
-  .venv/bin/python -m pytest -p no:cacheprovider --junitxml="$results/$name.xml" "$@" ||
-    failed+=("$name")
+  local python="${PYTHON_ENV:-.venv}/bin/python"
+  echo "== $name: ${suite_env[*]} $python -m pytest $*"
+  env "${suite_env[@]}" "$python" -m pytest -p no:cacheprovider \
+    --junitxml="$results/$name.xml" "$@" || failed+=("$name")
   timings+=("$name $((SECONDS - t0)) s")
 }
+# Another CPU's float kernels, for the book-numerics suite.
+second_numerics=(ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OPENBLAS_CORETYPE=Haswell)
+book_args=(-n 2 --dist loadfile tests/book book
+  --nbval --nbval-current-env --nbval-sanitize-with tests/book/nbval_sanitize.cfg)
 
 if wants lint; then
   t0=$SECONDS
-  { .venv/bin/ruff check . && .venv/bin/ruff format --check .; } || failed+=(lint)
+  { .venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/mypy; } ||
+    failed+=(lint)
   timings+=("lint $((SECONDS - t0)) s")
 fi
-wants library && run_suite library tests/lib
+# Two workers; --dist loadfile keeps a module's multi-process world, and each notebook's
+# cells, together in one worker.
+wants library && run_suite library -n 2 --dist loadfile tests/lib
+wants library-torch-2.14 && PYTHON_ENV=.venv-torch-2.14 run_suite library-torch-2.14 \
+  -n 2 --dist loadfile tests/lib
 wants packaging && run_suite packaging tests/packaging
-# Two workers; --dist loadfile keeps each notebook's cells together in one kernel.
-wants book && run_suite book -n 2 --dist loadfile tests/book book \
-  --nbval --nbval-current-env --nbval-sanitize-with tests/book/nbval_sanitize.cfg
+wants integrations && PYTHON_ENV=.venv-integrations run_suite integrations tests/integrations
+wants assignments && run_suite assignments tests/assignments
+wants book && run_suite book "${book_args[@]}"
+if wants book-numerics; then
+  suite_env=("${second_numerics[@]}")
+  run_suite book-numerics "${book_args[@]}"
+  suite_env=()
+fi
 wants browser && run_suite browser tests/browser
 wants pdf && run_suite pdf tests/pdf
 

@@ -102,7 +102,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self.guard.optimizer
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -110,7 +110,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -118,7 +118,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -131,7 +131,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``guard.step()``, after the closure if one is given.
 
         Returns:

@@ -110,13 +110,13 @@ class GuardMixin:
         self.guard_kwargs = dict(guard)
         self.guard_log_prefix = guard_log_prefix
         self.amp_skipped = 0
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         _check_max_grad_norm(self.args.max_grad_norm, self.guard_kwargs)  # type: ignore[attr-defined]
         self.add_callback(_MarkSkipped(self))  # type: ignore[attr-defined]
 
     @property
     def guard(self) -> StepGuard | None:
-        guarded = _guarded(self.optimizer)  # type: ignore[attr-defined]
+        guarded = _guarded(self.optimizer)
         return None if guarded is None else guarded.guard
 
     def create_optimizer(self, model: Any = None) -> Any:

@@ -102,6 +102,12 @@ def test_the_wheel_requires_torch_alone(library_env):
     assert extras == {"test"}, "the book is a distribution of its own, not an extra"
 
 
+#: Modules of tests/lib run against the installed wheel: the two-phase core (norms, keep
+#: rules, the skip, the guard) and flat gradients. The whole suite runs in the library
+#: suite; here every module is collected (imported), which is what needs the wheel whole.
+CORE_MODULES = ("test_clip_keep.py", "test_step.py", "test_guard_api.py", "test_flat.py")
+
+
 def test_the_library_suite_needs_only_the_library_and_the_test_tools(library_env):
     run(
         str(library_env),
@@ -113,8 +119,13 @@ def test_the_library_suite_needs_only_the_library_and_the_test_tools(library_env
         pinned("hypothesis"),
     )
     # -P: the installed gradlab, not the checkout's sources, is the one under test.
+    pytest = [str(library_env), "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    collected = subprocess.run(
+        [*pytest, "--collect-only", "tests/lib"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-2000:]
     result = subprocess.run(
-        [str(library_env), "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/lib"],
+        [*pytest, *(f"tests/lib/{m}" for m in CORE_MODULES)],
         capture_output=True,
         text=True,
         cwd=ROOT,
