@@ -34,8 +34,9 @@ named by its notebook's stem, such as ``clip_norm``) it writes ``OUT/CHAPTER/`` 
 * ``student/CHAPTER.ipynb``: the notebook to hand out: stubs, no solution, no test (the
   tests live in the autograder only), no output.
 
-``OUT/questions.csv`` lists every question: chapter, name, kind (``autograded`` or
-``manual``), stars, points and the check that grades it.
+``OUT/CHAPTER/questions.csv`` lists the chapter's questions: chapter, name, kind
+(``autograded`` or ``manual``), stars, points and the check that grades it;
+``OUT/questions.csv`` those of every chapter built into ``OUT``.
 
 By default Otter Assign then grades the notebook with the solutions against its own
 autograder and fails unless it scores full marks (``--no-run-tests`` skips that: it runs
@@ -573,13 +574,15 @@ def build_wheels(out: Path, root: Path = ROOT) -> list[Path]:
     ignore), so no build litter reaches the checkout and nothing else reaches a wheel.
 
     Args:
-        out (Path): the folder to write the two wheels into.
+        out (Path): the folder to write the two wheels into (emptied first).
         root (Path): the repository. Default: this repository
 
     Returns:
         list[Path]: the two wheels.
     """
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # an earlier build's wheels, possibly of other versions
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *_SOURCES],
         cwd=root,
@@ -712,14 +715,28 @@ def build(
     built = {}
     for name in names:
         built[name] = build_chapter(found[name], out / name, wheels, root=root, run_tests=run_tests)
-    with open(out / "questions.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["chapter", "question", "kind", "stars", "points", "check"])
+        _write_questions(out / name / "questions.csv", {name: built[name]})
+    # every chapter built into ``out`` so far, this time or before, in the book's order
+    rows = [
+        (out / name / "questions.csv").read_text(encoding="utf-8").split("\n", 1)[1]
+        for name in found
+        if (out / name / "questions.csv").is_file()
+    ]
+    (out / "questions.csv").write_text(_QUESTIONS_HEADER + "".join(rows), encoding="utf-8")
+    return built
+
+
+_QUESTIONS_HEADER = "chapter,question,kind,stars,points,check\n"
+
+
+def _write_questions(path: Path, built: dict[str, list[Question]]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(_QUESTIONS_HEADER.strip().split(","))
         for chapter, questions in built.items():
             for q in questions:
                 kind = "autograded" if q.autograded else "manual"
                 writer.writerow([chapter, q.name, kind, q.stars, q.points, q.check or ""])
-    return built
 
 
 # -------------------------------------------------------------------------- grading

@@ -9,8 +9,9 @@
 #
 # For each chapter it writes _build/assignments/CHAPTER/: student/CHAPTER.ipynb to hand
 # out, autograder/CHAPTER-autograder.zip for Gradescope or otter (and autograder/CHAPTER.ipynb,
-# the solutions), and master/, the Otter Assign notebook it made them from; the questions
-# and their points are in _build/assignments/questions.csv. Unless --no-run-tests is given,
+# the solutions), master/, the Otter Assign notebook it made them from, and questions.csv,
+# the questions and their points (_build/assignments/questions.csv: every chapter built
+# there). Unless --no-run-tests is given,
 # the solutions notebook of each chapter is graded against its autograder (one run of the
 # chapter each), and the build fails if it does not score full marks.
 # PYTHON=path/to/python runs it with another environment than .venv (one with otter-grader,

@@ -189,6 +189,21 @@ def test_questions_csv_lists_every_question(built):
     ]
     assert [(r["chapter"], r["question"], r["kind"], r["points"]) for r in rows] == expected
     assert {r["check"] for r in rows if r["kind"] == "autograded"} <= set(se.CHECKS)
+    for chapter in CHAPTERS:
+        with open(built["out"] / chapter / "questions.csv", encoding="utf-8") as f:
+            assert list(csv.DictReader(f)) == [r for r in rows if r["chapter"] == chapter]
+
+
+def test_a_rebuild_of_one_chapter_keeps_the_others_in_questions_csv(tmp_path):
+    assignments.build(tmp_path, ["ignore_value"], run_tests=False)
+    (tmp_path / "ignore_value" / "student" / "stale.txt").write_text("from the first build")
+    assignments.build(tmp_path, ["ignore_value", "norms"], run_tests=False)  # one rebuilt
+    text = (tmp_path / "questions.csv").read_text()
+    chapters = [line.split(",")[0] for line in text.splitlines()[1:]]
+    assert chapters == ["norms"] * 5 + ["ignore_value"] * 5  # the book's order
+    assert not (tmp_path / "ignore_value" / "student" / "stale.txt").exists()
+    wheels = sorted(p.name.split("-")[0] for p in (tmp_path / "wheels").iterdir())
+    assert wheels == ["gradlab", "gradlab_book"]
 
 
 # ------------------------------------------------------------- the conversion
@@ -291,3 +306,20 @@ def test_chapters_are_the_numbered_parts_of_the_toc():
     ]
     assert list(CHAPTERS) == numbered and len(numbered) == 18
     assert "corrections" not in CHAPTERS  # an appendix, its exercises have no stars
+
+
+def test_cli_grade_passes_its_arguments_and_prints_the_grades(tmp_path, monkeypatch, capsys):
+    import pandas as pd
+
+    calls = []
+
+    def fake_grade(autograder, submissions, output):
+        calls.append((autograder, submissions, output))
+        return pd.DataFrame({"file": ["a.ipynb"], "q": [2]})
+
+    monkeypatch.setattr(assignments, "grade", fake_grade)
+    argv = ["grade", str(tmp_path / "z.zip"), str(tmp_path / "s1"), str(tmp_path / "s2")]
+    assert assignments.main([*argv, "--output", str(tmp_path / "r")]) == 0
+    assert calls == [(tmp_path / "z.zip", [tmp_path / "s1", tmp_path / "s2"], tmp_path / "r")]
+    out = capsys.readouterr().out
+    assert "a.ipynb" in out and str(tmp_path / "r" / "final_grades.csv") in out
