@@ -180,13 +180,13 @@ class _Policy:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict` of an identically built policy.
+        """Restore a state saved by ``state_dict()`` of an identically built policy.
 
         The tensors are copied into the existing ones (so that a compiled step that
         holds them does not recompile), whatever device they were saved from.
 
         Args:
-            state_dict (Mapping): what :meth:`state_dict` returned.
+            state_dict (Mapping): what ``state_dict()`` returned.
 
         Raises:
             ValueError: the hyperparameters differ, or a tensor is missing or has
@@ -521,13 +521,13 @@ class AutoClip(_Window):
         return super()._shape_ok(name, mine, theirs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict` of an identically built policy.
+        """Restore a state saved by ``state_dict()`` of an identically built policy.
 
         The whole history is taken at its saved size (a compiled step recompiles if the
         size differs); a window is copied into the existing tensors.
 
         Args:
-            state_dict (Mapping): what :meth:`state_dict` returned.
+            state_dict (Mapping): what ``state_dict()`` returned.
 
         Raises:
             ValueError: the hyperparameters differ, or a tensor is missing, has another

@@ -435,7 +435,7 @@ class StepGuard:
 
     @property
     def threshold(self) -> float | ThresholdPolicy:
-        """The threshold: a float or the policy (settable)."""
+        """A number, or the policy, that each step's statistic is compared with (settable)."""
         return self._policy if self._policy is not None else self._threshold
 
     @threshold.setter
@@ -535,8 +535,9 @@ class StepGuard:
                 when not given). Default: None
             keep (Tensor or bool, optional): a further condition on the device, a 0-dim
                 bool tensor: the step is skipped where it is false, as by the guard's
-                own rule (``kept > 0`` from :meth:`MicroBatchAccumulator.finish_`, a
-                check of your own). Default: None
+                own rule (``kept > 0`` from
+                :meth:`gradlab.accumulation.MicroBatchAccumulator.finish_`, a check of
+                your own). Default: None
 
         Returns:
             StepRecord: the record of this step.

@@ -4,13 +4,13 @@ r"""gradlab in the trainers people use: thin adapters, one module per trainer.
 only. Each trainer's module imports its trainer when it is imported, so a missing
 trainer is an :class:`ImportError` naming the extra to install:
 
-* :mod:`gradlab.integrations.lightning`: :class:`~gradlab.integrations.lightning.GuardCallback`,
+* ``gradlab.integrations.lightning``: ``GuardCallback``,
   with :class:`GuardedOptimizer` returned from ``configure_optimizers``;
-* :mod:`gradlab.integrations.accelerate`:
-  :class:`~gradlab.integrations.accelerate.AcceleratedGuard`, a guard of the prepared
+* ``gradlab.integrations.accelerate``:
+  ``AcceleratedGuard``, a guard of the prepared
   optimizer that replaces ``accelerator.clip_grad_norm_`` and ``optimizer.step()``;
-* :mod:`gradlab.integrations.transformers`:
-  :class:`~gradlab.integrations.transformers.GuardMixin` for a ``Trainer``;
+* ``gradlab.integrations.transformers``:
+  ``GuardMixin`` for a ``Trainer``;
 * torchtitan needs no adapter: its ``train_step`` calls the library's two phases
   (:func:`gradlab.keep_by_norm`, :func:`gradlab.step_if_`) directly.
 
@@ -73,7 +73,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         last (StepRecord or None): the record of the latest ``step()`` that reached the
             guard.
         step_was_skipped (bool): whether the latest step was skipped, by the guard or,
-            where a trainer marks it (:mod:`gradlab.integrations.lightning`), by a
+            where a trainer marks it (``gradlab.integrations.lightning``), by a
             GradScaler; the name and meaning of Accelerate's
             ``AcceleratedOptimizer.step_was_skipped``.
 
