@@ -64,14 +64,19 @@ SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # --------------------------------------------------------------------------- checks
 
 
-def check_threshold(name: str, value: object) -> float:
-    """``value`` as a float >= 0 (inf allowed), or ValueError naming ``name``."""
+def _real_as_float(name: str, value: object) -> float:
+    """``value`` as a float if it is a real number (not a bool), or ValueError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     try:
-        value = float(value)
+        return float(value)
     except OverflowError:
         raise ValueError(f"{name} is too large for a float: {value!r}") from None
+
+
+def check_threshold(name: str, value: object) -> float:
+    """``value`` as a float >= 0 (inf allowed), or ValueError naming ``name``."""
+    value = _real_as_float(name, value)
     if not value >= 0:  # NaN fails it too; one comparison, which compile can guard on
         raise ValueError(f"{name} must be a non-negative number (inf allowed), got {value!r}")
     return value
@@ -149,12 +154,7 @@ def check_real(
     name: str, value: object, low: float, high: float = math.inf, *, open_low: bool = False
 ) -> float:
     """``value`` as a float in [low, high] ((low, high] with ``open_low``), or ValueError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    try:
-        value = float(value)
-    except OverflowError:
-        raise ValueError(f"{name} is too large for a float: {value!r}") from None
+    value = _real_as_float(name, value)
     too_low = value <= low if open_low else value < low
     if math.isnan(value) or too_low or value > high:
         bracket = "(" if open_low else "["
