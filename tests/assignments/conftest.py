@@ -1,6 +1,8 @@
 """The assignments suite needs otter-grader and the book's code: say how to get them, then stop.
 
-Every chapter's assignment is built once per session (``booktools.assignments.build``,
+Until ``requirements.txt`` pins otter-grader, an environment without it skips the suite
+(each module says why); once pinned, a missing or different otter-grader stops it. Every
+chapter's assignment is built once per session (``booktools.assignments.build``,
 without Otter Assign's own run of the solutions: the suite grades them itself), into a
 temporary folder. The repository root goes on ``sys.path`` for ``booktools``, and
 ``tests/book`` for the wrong answers of its exercise tests.
@@ -20,19 +22,6 @@ for path in (ROOT, ROOT / "tests" / "book"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-_missing = [
-    name
-    for name in ("otter", "gradlab_book", "nbformat", "yaml", "pandas", "dill")
-    if importlib.util.find_spec(name) is None
-]
-if _missing:
-    pytest.exit(
-        f"The assignments suite needs {', '.join(_missing)}: run `bash scripts/build_book.sh`, "
-        "which installs the pinned requirements.txt (otter-grader included), gradlab and "
-        "gradlab-book into .venv, then `bash scripts/test.sh assignments`.",
-        returncode=4,
-    )
-
 
 def _pinned_otter() -> str | None:
     for line in (ROOT / "requirements.txt").read_text(encoding="utf-8").splitlines():
@@ -41,11 +30,20 @@ def _pinned_otter() -> str | None:
     return None
 
 
-_pin, _installed = _pinned_otter(), importlib.metadata.version("otter-grader")
-if _pin is not None and _pin != _installed:
+_pin = _pinned_otter()
+_needed = ["gradlab_book", "nbformat", "yaml"] + (["otter", "pandas", "dill"] if _pin else [])
+_missing = [name for name in _needed if importlib.util.find_spec(name) is None]
+if _missing:
     pytest.exit(
-        f"requirements.txt pins otter-grader=={_pin}, this environment has {_installed}: "
-        "run `bash scripts/build_book.sh`.",
+        f"The assignments suite needs {', '.join(_missing)}: run `bash scripts/build_book.sh`, "
+        "which installs the pinned requirements.txt (otter-grader included), gradlab and "
+        "gradlab-book into .venv, then `bash scripts/test.sh assignments`.",
+        returncode=4,
+    )
+if _pin is not None and _pin != importlib.metadata.version("otter-grader"):
+    pytest.exit(
+        f"requirements.txt pins otter-grader=={_pin}, this environment has "
+        f"{importlib.metadata.version('otter-grader')}: run `bash scripts/build_book.sh`.",
         returncode=4,
     )
 
