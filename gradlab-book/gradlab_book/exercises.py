@@ -17,21 +17,26 @@ The expected results are computed independently, in float64 on the host, from th
 formulas in :mod:`gradlab.clip`; gradlab's own functions are not used as the
 reference, so a check also holds gradlab to its documentation.
 
-The checks of functions that decide something (clip by norm, ignore by norm or by
-value) also watch for reads of tensor values on the host, as
+Every check hands the answer its own list, and says so when the answer changes that
+list (a caller's list of parameters is theirs to keep). The checks of functions that
+decide something (clip by norm, ignore by norm or by value, clip and count) also watch
+for reads of tensor values on the host, as
 :class:`gradlab.sync.HostReadCounter` defines them (``.item()``, ``if t > x:``,
 ``t.tolist()``, ``g[mask] = 0``, ``torch.equal``, printing a tensor, ...), and name
 the one found: such a read forces the program to wait for the accelerator at every
-step, and the decision can always be made on the device instead.
+step, and the decision can always be made on the device instead. The total-norm check
+watches the operators too, and rejects a concatenated copy of the tensors
+(``aten.cat``), which its exercise forbids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradlab_book.exercise_kit import (
     EPS,
@@ -50,6 +55,7 @@ from gradlab_book.exercise_kit import (
 )
 
 __all__ = [
+    "check_clip_and_count",
     "check_clip_grad_norm",
     "check_clip_grad_value",
     "check_grad_ignore_norm",
@@ -104,7 +110,7 @@ def _build(case: _GradCase):
     if case.kind == "tensor":
         (param,) = params  # one bare tensor, not in a list
         return param, params
-    return params, params
+    return list(params), params  # the answer's own list: the check keeps the original
 
 
 def _describe(case: _GradCase) -> str:
@@ -275,6 +281,44 @@ def _norm_cases(fn_name: str) -> list[_GradCase]:
     )
     add("two tensors of zeros, threshold 1", (_t([0.0, 0.0]), _t([0.0])), 1.0)
     add("three tensors, threshold inf (nothing is ever too large)", three, INF)
+    # The chapters' float16 overflow: every entry is small, the norm is not.
+    big16 = (torch.full((10_000,), 1000.0, dtype=torch.float16),)
+    overflow_hint = (
+        "A float16 norm overflows above 65504: compute the per-tensor norms and the total "
+        "in float32 (torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)) and "
+        "return that float32 norm, as gradlab does. torch.nn.utils.clip_grad_norm_ keeps "
+        "them in float16, gets inf and zeroes every gradient."
+    )
+    add(
+        "one float16 tensor of 10000 entries of 1000: total 2-norm 1e5, above float16's "
+        f"largest value 65504, {'over' if fn_name == 'clip' else 'under'} the threshold",
+        big16,
+        1.0 if fn_name == "clip" else 2e5,
+        hint=overflow_hint,
+    )
+    # The boundary the chapters teach: a norm equal to the threshold.
+    if fn_name == "clip":
+        edge_hint = "The coefficient is min(1, max_norm / (total_norm + 1e-6))."
+    else:
+        edge_hint = (
+            "The rule is strict: keep only when max_norm / (total_norm + 1e-6) >= 1, "
+            "computed in the norm's dtype (float32 here). At norm 5 the 1e-6 makes a norm "
+            "equal to the threshold too large; at norm 50, 50 + 1e-6 rounds back to 50 in "
+            "float32 and the gradient is kept. 'keep if total_norm <= max_norm' gets the "
+            "first wrong, a decision in float64 the second."
+        )
+    add(
+        "one tensor (3, 4): total 2-norm 5, exactly the threshold 5",
+        (_t([3.0, 4.0]),),
+        5.0,
+        hint=edge_hint,
+    )
+    add(
+        "one tensor (30, 40): total 2-norm 50, exactly the threshold 50",
+        (_t([30.0, 40.0]),),
+        50.0,
+        hint=edge_hint,
+    )
     return cases
 
 
@@ -395,6 +439,13 @@ def _value_cases(fn_name: str) -> list[_GradCase]:
             "torch.clamp leaves a NaN entry NaN, and so does torch.nn.utils.clip_grad_value_."
         )
         inf_hint = "An infinite entry is clamped to +-clip_value like any other."
+    elif fn_name == "count":
+        nan_hint = (
+            "torch.clamp leaves a NaN entry NaN: it is not changed, so it is not counted. "
+            "NaN != NaN is True: count g.abs() > clip_value (False for NaN), not "
+            "g != clamped."
+        )
+        inf_hint = "An infinite entry is clamped to +-clip_value: it counts as changed."
     else:
         nan_hint = (
             "A NaN entry must trigger the ignore: zero every gradient. Every comparison "
@@ -419,9 +470,18 @@ def _expected_clip_norm(case: _GradCase) -> tuple[list[Tensor | None], Tensor]:
     return out, total
 
 
+def _norm_dtype(grads: Sequence[Tensor | None]) -> torch.dtype:
+    """The dtype gradlab computes and returns a total norm in: float64 or float32."""
+    wide = any(g is not None and g.dtype == torch.float64 for g in grads)
+    return torch.float64 if wide else torch.float32
+
+
 def _expected_ignore_norm(case: _GradCase) -> tuple[list[Tensor | None], Tensor]:
     total = norm64(case.grads, case.norm_type)
-    keep = bool(case.threshold / (total + EPS) >= 1.0)  # False for a NaN total
+    # The rule as gradlab evaluates it, in the norm's own dtype: in float32 the 1e-6 is
+    # lost for norms above about 32 (the chapter's (30, 40) at 50 is kept).
+    narrow = total.to(_norm_dtype(case.grads))
+    keep = bool(case.threshold / (narrow + EPS) >= 1.0)  # False for a NaN total
     out = [
         None
         if g is None
@@ -437,6 +497,14 @@ def _expected_clip_value(case: _GradCase) -> tuple[list[Tensor | None], None]:
     return out, None
 
 
+def _expected_clip_and_count(case: _GradCase) -> tuple[list[Tensor | None], Tensor]:
+    grads, _ = _expected_clip_value(case)
+    given = [g.to(torch.float64) for g in case.grads if g is not None]
+    entries = sum(g.numel() for g in given)
+    changed = sum(int((g.abs() > case.threshold).sum()) for g in given)  # NaN: False
+    return grads, torch.tensor(changed / entries if entries else 0.0, dtype=torch.float64)
+
+
 def _expected_ignore_value(case: _GradCase) -> tuple[list[Tensor | None], Tensor]:
     largest = norm64(case.grads, INF)
     keep = bool(largest < case.threshold)  # False for NaN
@@ -450,6 +518,32 @@ def _expected_ignore_value(case: _GradCase) -> tuple[list[Tensor | None], Tensor
 
 
 # ---------------------------------------------------------------- the runner
+
+
+_LIST_HINT = (
+    "  Hint: a caller's list is theirs to keep using (it may be an optimizer's param "
+    "group): read it, never remove, add or replace its items. Build your own list "
+    "instead, e.g. grads = [p.grad for p in parameters if p.grad is not None] or "
+    "tensors = list(tensors), and change that one."
+)
+
+
+def _changed_list(given: list, original: Sequence) -> str:
+    """How an answer changed the list it was handed ("" if it did not).
+
+    Compared by identity, item by item: ``list.pop``, ``append``, ``sort`` or
+    ``given[i] = ...`` all count, whatever the items hold.
+    """
+    if len(given) != len(original):
+        return f"it now holds {len(given)} items instead of {len(original)}"
+    for i, (a, b) in enumerate(zip(given, original, strict=True)):
+        if a is not b:
+            return f"item {i} was replaced by another object"
+    return ""
+
+
+def _half(dtypes: Sequence[torch.dtype]) -> bool:
+    return any(d in (torch.float16, torch.bfloat16) for d in dtypes)
 
 
 def _as_input_dtypes(grads: list[Tensor | None], case: _GradCase) -> list[Tensor | None]:
@@ -491,9 +585,13 @@ def _run_grad_cases(
         )
         if not ok:
             return False
+        if case.kind == "list" and (how := _changed_list(arg, params)):
+            say([*header, f"  Your function changed the list it was given: {how}.", _LIST_HINT])
+            return False
         expected_grads, expected_return = expected_of(case)
         got_grads = [p.grad for p in params]
-        rtol, atol = tolerance([g.dtype for g in case.grads if g is not None])
+        dtypes = [g.dtype for g in case.grads if g is not None]
+        rtol, atol = tolerance(dtypes)
 
         def fail(*lines: str, _header=header, _case=case) -> bool:
             say([*_header, *lines, *([f"  Hint: {_case.hint}"] if _case.hint else [])])
@@ -524,17 +622,53 @@ def _run_grad_cases(
                 )
         else:
             assert expected_return is not None
-            what = "the total norm before clipping" if returns == "norm" else "the largest |entry|"
-            if returns == "norm_ignore":
-                what = "the total norm before the decision"
+            what = {
+                "norm": "the total norm before clipping",
+                "norm_ignore": "the total norm before the decision",
+                "largest": "the largest |entry|",
+                "fraction": "the fraction of all gradient entries that were clamped",
+            }[returns]
             ok = isinstance(result, Tensor) and result.dim() == 0
+            norm_returned = returns in ("norm", "norm_ignore")
+            if ok and norm_returned and _half(dtypes) and _half([result.dtype]):
+                return fail(
+                    f"  expected return value: tensor({num(float(expected_return))}) in "
+                    f"float32, {what} (a 0-dim tensor)",
+                    f"  your return value:     {value_text(result)} "
+                    f"({str(result.dtype).replace('torch.', '')})",
+                    "  A norm kept in 16 bits overflows above 65504 (float16) or keeps 8 "
+                    "significant bits (bfloat16): return it in float32.",
+                )
+            if returns == "fraction":
+                # a share of entries: absolute, whatever the gradients' dtype
+                r_rtol, r_atol = 0.0, 1e-6
+                ok = ok and result.is_floating_point()
+            elif norm_returned and _half(dtypes):
+                # A norm is a float32 (or float64) number even for 16-bit gradients:
+                # compared at float32's precision, with room for summing 10^4 terms.
+                r_rtol, r_atol = 1e-4, 1e-6
+            else:
+                r_rtol, r_atol = rtol, atol
             if ok:
-                ok = same(expected_return.reshape(()), result, rtol, atol)
+                ok = same(expected_return.reshape(()), result, r_rtol, r_atol)
             if not ok:
+                counted_after = (
+                    returns == "fraction"
+                    and isinstance(result, Tensor)
+                    and result.numel() == 1
+                    and float(expected_return) > 0
+                    and float(result) == 0
+                )
+                kind = "floating-point tensor" if returns == "fraction" else "tensor"
                 return fail(
                     f"  expected return value: tensor({num(float(expected_return))}), {what}"
-                    " (a 0-dim tensor)",
+                    f" (a 0-dim {kind})",
                     f"  your return value:     {value_text(result)}",
+                    *(
+                        ["  Count before you clamp: afterwards no entry is above clip_value."]
+                        if counted_after
+                        else []
+                    ),
                 )
         if rejects_host_read(
             detector, f"Case {index} of {len(cases)}: {_describe(case)}.", call_text
@@ -551,11 +685,13 @@ def check_clip_grad_norm(fn: Callable) -> bool:
     """Check ``fn(parameters, max_norm, norm_type=...)`` against clip-by-norm.
 
     Checked on every case: the gradients afterwards equal
-    ``g * min(1, max_norm / (total_norm + 1e-6))`` (what
-    :func:`torch.nn.utils.clip_grad_norm_` gives, NaN and inf included), within a
-    tolerance suited to the dtype; the parameters' values are unchanged; the return
-    value is the total norm *before* clipping, a 0-dim tensor; gradients that are
-    None stay None; no tensor value is read on the host.
+    ``g * min(1, max_norm / (total_norm + 1e-6))`` (what :func:`gradlab.clip_grad_norm_`
+    gives, NaN and inf included), within a tolerance suited to the dtype; the
+    parameters' values and the list passed in are unchanged; the return value is the
+    total norm *before* clipping, a 0-dim tensor, in float32 for 16-bit gradients;
+    gradients that are None stay None; no tensor value is read on the host. A float16
+    gradient whose norm (1e5) exceeds float16's range is among the cases:
+    :func:`torch.nn.utils.clip_grad_norm_`, which keeps its norms in float16, fails it.
     """
     return _run_grad_cases(
         fn,
@@ -572,11 +708,14 @@ def check_grad_ignore_norm(fn: Callable) -> bool:
     """Check ``fn(parameters, max_norm, norm_type=...)`` against ignore-by-norm.
 
     Checked on every case: every gradient is zeroed when
-    ``max_norm / (total_norm + 1e-6) < 1`` or the total norm is NaN (so an infinite
-    or NaN gradient leaves zeros, never NaN), and left exactly as it was otherwise;
-    the parameters' values are unchanged; the return value is the total norm before
-    the decision, a 0-dim tensor; gradients that are None stay None; no tensor value
-    is read on the host.
+    ``max_norm / (total_norm + 1e-6) < 1``, evaluated in the norm's dtype (float32, or
+    float64 if any gradient is float64), or the total norm is NaN (so an infinite or
+    NaN gradient leaves zeros, never NaN), and left exactly as it was otherwise; the
+    boundary cases (3, 4) at 5 (ignored) and (30, 40) at 50 (kept: float32 loses the
+    1e-6) are among them; the parameters' values and the list passed in are
+    unchanged; the return value is the total norm before the decision, a 0-dim tensor,
+    in float32 for 16-bit gradients (a float16 gradient of norm 1e5 is among the
+    cases); gradients that are None stay None; no tensor value is read on the host.
     """
     return _run_grad_cases(
         fn,
@@ -608,6 +747,30 @@ def check_clip_grad_value(fn: Callable) -> bool:
     )
 
 
+def check_clip_and_count(fn: Callable) -> bool:
+    """Check ``fn(parameters, clip_value)``: clip by value, and count what it clamped.
+
+    Checked on every case: every gradient entry is clamped into
+    ``[-clip_value, clip_value]`` in place (a NaN entry stays NaN, as with
+    :func:`torch.nn.utils.clip_grad_value_`); the return value is the fraction of all
+    gradient entries that the clamp changed (``|g| > clip_value``: an infinite entry
+    counts, a NaN entry does not), a 0-dim floating-point tensor (``tensor(0.)`` with
+    no entries), within 1e-6; the parameters' values and the list passed in are
+    unchanged; gradients that are None stay None; no tensor value is read on the host,
+    so that a training loop can log the fraction at every step and read it only when
+    it prints.
+    """
+    return _run_grad_cases(
+        fn,
+        _value_cases("count"),
+        _expected_clip_and_count,
+        threshold_name="clip_value",
+        pass_norm_type=False,
+        returns="fraction",
+        watch_host=True,
+    )
+
+
 def check_grad_ignore_value(fn: Callable) -> bool:
     """Check ``fn(parameters, clip_value)`` against ignore-by-value.
 
@@ -631,6 +794,28 @@ def check_grad_ignore_value(fn: Callable) -> bool:
 # ------------------------------------------------------------------ total norm
 
 
+class _Concatenations(TorchDispatchMode):
+    """Counts the concatenations (``aten.cat``) of more numbers than there are tensors.
+
+    ``torch.cat``, ``torch.concat``, ``torch.hstack`` and
+    ``torch.nn.utils.parameters_to_vector`` all reach ``aten.cat``; ``torch.stack`` of
+    the per-tensor norms is its own operator.
+    """
+
+    def __init__(self, tensors: int) -> None:
+        super().__init__()
+        self.tensors = tensors
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # Joining the k per-tensor norms (gradlab does, per dtype) copies k numbers;
+        # joining the entries copies more.
+        if func.overloadpacket is torch.ops.aten.cat and out.numel() > self.tensors:
+            self.count += 1
+        return out
+
+
 def check_total_norm(fn: Callable) -> bool:
     """Check ``fn(tensors, norm_type)``: the total norm of tensors seen as one vector.
 
@@ -641,7 +826,8 @@ def check_total_norm(fn: Callable) -> bool:
     tensors give ``tensor(0.)``; a generator of tensors, and one bare tensor not in
     a list, work; 16-bit inputs give a float32 (or wider) result, also where a
     per-tensor or the total norm exceeds float16's largest value 65504; the tensors
-    are not modified, NaN and inf entries included.
+    are not modified, NaN and inf entries included, nor is the list holding them; no
+    concatenated copy of the tensors is made (``torch.cat``, as the exercise asks).
     """
     if not callable(fn):
         say([f"Expected a function, got {value_text(fn)}."])
@@ -705,7 +891,8 @@ def check_total_norm(fn: Callable) -> bool:
         bare = isinstance(given, Tensor)
         tensors = (given,) if bare else given
         inputs = [t.clone() for t in tensors]
-        arg = inputs[0] if bare else ((t for t in inputs) if as_gen else inputs)
+        given = list(inputs)  # the answer's own list
+        arg = inputs[0] if bare else ((t for t in inputs) if as_gen else given)
         call_text = f"fn(tensors, norm_type={num(p)})"
         header = [
             f"Case {index} of {len(cases)} fails: {title}.",
@@ -716,10 +903,26 @@ def check_total_norm(fn: Callable) -> bool:
             "  Hint: one tensor may be passed instead of a list: "
             "if isinstance(tensors, torch.Tensor): tensors = [tensors]."
         )
-        ok, result, _ = answer(
-            fn, call_text, header, [bare_hint] if bare else [], arg, p, watch_host=False
-        )
+        with _Concatenations(len(tensors)) as concatenations:
+            ok, result, _ = answer(
+                fn, call_text, header, [bare_hint] if bare else [], arg, p, watch_host=False
+            )
         if not ok:
+            return False
+        if concatenations.count:
+            say(
+                [
+                    *header,
+                    "  Your function concatenates the tensors (torch.cat): that copies "
+                    "every entry into one new vector, as large as the model.",
+                    "  Hint: take one norm per tensor, then the norm of those norms: "
+                    "||g||_p = ||(||g_1||_p, ..., ||g_k||_p)||_p (torch.stack the 0-dim "
+                    "norms).",
+                ]
+            )
+            return False
+        if not (bare or as_gen) and (how := _changed_list(given, inputs)):
+            say([*header, f"  Your function changed the list it was given: {how}.", _LIST_HINT])
             return False
         expected = norm64(tensors, p)
         rtol, atol = tolerance([t.dtype for t in tensors])

@@ -16,6 +16,7 @@ import torch
 from verdicts import assert_fails, assert_passes, run
 
 import gradlab
+from gradlab.sync import HostReadCounter
 from gradlab_book import exercises as ex
 from gradlab_book import exercises_training as ext
 
@@ -55,9 +56,15 @@ def ref_clip_grad_value_(parameters, clip_value):
         g.clamp_(-clip_value, clip_value)
 
 
+def _norm_dtype(grads):
+    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+
+
 def ref_grad_ignore_norm_(parameters, max_norm, norm_type=2.0):
+    # The rule in the norm's dtype (float32 unless a gradient is float64), as gradlab
+    # documents it: in float32, (30, 40) at max_norm 50 is kept (50 + 1e-6 == 50).
     grads = _grads(parameters)
-    total = ref_total_norm(grads, norm_type)
+    total = ref_total_norm(grads, norm_type).to(_norm_dtype(grads))
     keep = max_norm / (total + 1e-6) >= 1.0
     for g in grads:
         g.copy_(torch.where(keep, g, torch.zeros_like(g)))
@@ -73,9 +80,25 @@ def ref_grad_ignore_value_(parameters, clip_value):
     return largest
 
 
+def _keep(total, max_norm):
+    """The rule of the chapter, decided on the device: finite and within, with the 1e-6."""
+    return torch.isfinite(total) & (max_norm / (total + 1e-6) >= 1.0)
+
+
+def ref_clip_and_count_(parameters, clip_value):
+    grads = _grads(parameters)
+    entries = sum(g.numel() for g in grads)  # shapes only: no host read
+    if not entries:
+        return torch.tensor(0.0)
+    changed = torch.stack([(g.abs() > clip_value).sum() for g in grads]).sum()
+    for g in grads:
+        g.clamp_(-clip_value, clip_value)
+    return changed / entries
+
+
 def ref_guarded_step(parameters, optimizer, max_norm):
     total = ref_total_norm(_grads(parameters), 2.0)
-    if bool(torch.isfinite(total)) and bool(max_norm / (total + 1e-6) >= 1.0):
+    if bool(_keep(total, max_norm)):  # the one host read
         optimizer.step()
         return True
     return False
@@ -91,8 +114,8 @@ def ref_guarded_step(parameters, optimizer, max_norm):
         (ex.check_total_norm, gradlab.get_total_norm),
         (ex.check_clip_grad_norm, ref_clip_grad_norm_),
         (ex.check_clip_grad_norm, gradlab.clip_grad_norm_),
-        (ex.check_clip_grad_norm, torch.nn.utils.clip_grad_norm_),
         (ex.check_clip_grad_value, ref_clip_grad_value_),
+        (ex.check_clip_and_count, ref_clip_and_count_),
         (ex.check_clip_grad_value, gradlab.clip_grad_value_),
         (ex.check_grad_ignore_norm, ref_grad_ignore_norm_),
         (ex.check_grad_ignore_norm, gradlab.grad_ignore_norm_),
@@ -194,6 +217,7 @@ def _stub(*args, **kwargs):
         ex.check_total_norm,
         ex.check_clip_grad_norm,
         ex.check_clip_grad_value,
+        ex.check_clip_and_count,
         ex.check_grad_ignore_norm,
         ex.check_grad_ignore_value,
         ext.check_guarded_step,
@@ -362,9 +386,70 @@ def _ignore_norm_touches_params(parameters, max_norm, norm_type=2.0):
     return total
 
 
+def _ignore_norm_keep_if_le(parameters, max_norm, norm_type=2.0):
+    # Right in every other way, but "keep if the norm <= max_norm": no 1e-6.
+    grads = _grads(parameters)
+    total = ref_total_norm(grads, norm_type).to(_norm_dtype(grads))
+    keep = total <= max_norm
+    for g in grads:
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return total
+
+
+def _ignore_norm_decides_in_float64(parameters, max_norm, norm_type=2.0):
+    # The chapter's rule, but evaluated in float64 for float32 gradients.
+    grads = _grads(parameters)
+    total64 = ref_total_norm(grads, norm_type)
+    keep = max_norm / (total64 + 1e-6) >= 1.0
+    for g in grads:
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return total64.to(_norm_dtype(grads))
+
+
+def _norms_in_16_bits(grads, norm_type):
+    # Per-tensor norms left in the gradients' dtype (as torch.nn.utils keeps them),
+    # then widened and combined: the total comes back in float32.
+    if not grads:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(g, norm_type).to(_norm_dtype(grads)) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _ignore_norm_norms_in_16_bits(parameters, max_norm, norm_type=2.0):
+    grads = _grads(parameters)
+    total = _norms_in_16_bits(grads, norm_type)
+    keep = max_norm / (total + 1e-6) >= 1.0
+    for g in grads:
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    return total
+
+
+def _drops_missing_from_the_callers_list(reference):
+    def answer(parameters, threshold, *args, **kwargs):
+        if isinstance(parameters, list):  # "tidy up" the caller's list in place
+            parameters[:] = [p for p in parameters if p.grad is not None]
+        return reference(parameters, threshold, *args, **kwargs)
+
+    answer.__name__ = f"{reference.__name__}_drops_from_the_list"
+    return answer
+
+
 @pytest.mark.parametrize(
     "fn, fragments",
     [
+        (
+            _ignore_norm_keep_if_le,
+            ["(3, 4): total 2-norm 5, exactly the threshold 5", "The rule is strict"],
+        ),
+        (
+            _ignore_norm_decides_in_float64,
+            ["(30, 40): total 2-norm 50", "expected gradients: [[30, 40]]", "in float32"],
+        ),
+        (_ignore_norm_norms_in_16_bits, ["two float16 tensors", "expected return value"]),
+        (
+            _drops_missing_from_the_callers_list(ref_grad_ignore_norm_),
+            ["no gradient (None)", "changed the list it was given: it now holds 2 items"],
+        ),
         (_nan_hole_mask, ["one entry is NaN", "nan", "NaN * 0 is NaN"]),
         (_nan_hole_if, ["reads a tensor value on the host"]),
         (_nan_hole_where_gt, ["one entry is NaN", "your gradients:"]),
@@ -392,7 +477,7 @@ def test_ignore_norm_rejects(fn, fragments, capsys):
 def test_failure_report_shows_input_expected_and_got(capsys):
     out = assert_fails(ex.check_grad_ignore_norm, _ignore_norm_clips, capsys)
     assert out.splitlines()[:5] == [
-        "Case 2 of 29 fails: one tensor, total 2-norm 5, over the threshold; "
+        "Case 2 of 32 fails: one tensor, total 2-norm 5, over the threshold; "
         "one bare tensor, not in a list (as torch.nn.utils accepts).",
         "  call:              fn(parameters, max_norm=2, norm_type=2)",
         "  gradients before:  [[3, -4]]",
@@ -469,9 +554,45 @@ def _clip_norm_generator_twice(parameters, max_norm, norm_type=2.0):
     return total
 
 
+def _clip_norm_norms_in_16_bits(parameters, max_norm, norm_type=2.0):
+    grads = _grads(parameters)
+    total = _norms_in_16_bits(grads, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def _torch_clip_norm_gradients(parameters, max_norm, norm_type=2.0):
+    # torch.nn.utils.clip_grad_norm_'s gradients, with gradlab's float32 norm returned:
+    # only the chapter's overflow case is left to catch it.
+    params = _plist(parameters)
+    total = gradlab.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
+    torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    return total
+
+
 @pytest.mark.parametrize(
     "fn, fragments",
     [
+        (
+            torch.nn.utils.clip_grad_norm_,
+            ["two float16 tensors", "in float32", "your return value:     tensor(2.926) (float16)"],
+        ),
+        (
+            _torch_clip_norm_gradients,
+            [
+                "one float16 tensor of 10000 entries of 1000: total 2-norm 1e5",
+                "largest |entry| 0.01",
+                "largest |entry| 0>",
+                "gets inf and zeroes every gradient",
+            ],
+        ),
+        (_clip_norm_norms_in_16_bits, ["two float16 tensors", "expected return value"]),
+        (
+            _drops_missing_from_the_callers_list(ref_clip_grad_norm_),
+            ["no gradient (None)", "changed the list it was given", "it may be an optimizer's"],
+        ),
         (_clip_norm_returns_after, ["expected return value", "before clipping"]),
         (_clip_norm_if, ["reads a tensor value on the host"]),
         (_clip_norm_no_eps_min, ["reads a tensor value on the host"]),
@@ -589,6 +710,10 @@ def _ignore_value_no_bare_tensor(parameters, clip_value):
         (_ignore_value_empty_crash, ["neither has a gradient", "Your function raised"]),
         (ref_clip_grad_value_, ["expected return value", "your return value:     None"]),
         (_ignore_value_none_crash, ["no gradient (None)", "Your function raised"]),
+        (
+            _drops_missing_from_the_callers_list(ref_grad_ignore_value_),
+            ["no gradient (None)", "changed the list it was given"],
+        ),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -644,6 +769,75 @@ def test_clip_value_rejects(fn, fragments, capsys):
     assert_fails(ex.check_clip_grad_value, fn, capsys, *fragments)
 
 
+def _count_after_clamping(parameters, clip_value):
+    grads = _grads(parameters)
+    for g in grads:
+        g.clamp_(-clip_value, clip_value)
+    entries = sum(g.numel() for g in grads)
+    if not entries:
+        return torch.tensor(0.0)
+    return torch.stack([(g.abs() > clip_value).sum() for g in grads]).sum() / entries
+
+
+def _count_changed_entries(parameters, clip_value):
+    # g != clamped is True for NaN (NaN != NaN): a NaN entry counted as clamped
+    grads = _grads(parameters)
+    entries = sum(g.numel() for g in grads)
+    before = [g.clone() for g in grads]
+    for g in grads:
+        g.clamp_(-clip_value, clip_value)
+    if not entries:
+        return torch.tensor(0.0)
+    return torch.stack([(g != b).sum() for g, b in zip(grads, before, strict=True)]).sum() / entries
+
+
+def _count_on_the_host(parameters, clip_value):
+    grads = _grads(parameters)
+    entries = sum(g.numel() for g in grads)
+    changed = sum(int((g.abs() > clip_value).sum()) for g in grads)
+    for g in grads:
+        g.clamp_(-clip_value, clip_value)
+    return torch.tensor(changed / entries if entries else 0.0)
+
+
+def _count_mean_of_fractions(parameters, clip_value):
+    grads = [g for g in _grads(parameters) if g.numel()]
+    fractions = [(g.abs() > clip_value).float().mean() for g in grads]
+    for g in grads:
+        g.clamp_(-clip_value, clip_value)
+    return torch.stack(fractions).mean() if fractions else torch.tensor(0.0)
+
+
+def _count_returns_a_count(parameters, clip_value):
+    grads = _grads(parameters)
+    if not grads:
+        return torch.tensor(0.0)
+    changed = torch.stack([(g.abs() > clip_value).sum() for g in grads]).sum()
+    for g in grads:
+        g.clamp_(-clip_value, clip_value)
+    return changed
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (_count_after_clamping, ["both signs", "your return value:     tensor(0)", "before"]),
+        (_count_changed_entries, ["one entry is NaN", "NaN != NaN"]),
+        (_count_on_the_host, ["reads a tensor value on the host", "int(t)"]),
+        (_count_mean_of_fractions, ["no gradient (None)", "tensor(0.2)"]),
+        (_count_returns_a_count, ["Case 1 of", "a 0-dim floating-point tensor"]),
+        (ref_clip_grad_value_, ["your return value:     None"]),
+        (
+            _drops_missing_from_the_callers_list(ref_clip_and_count_),
+            ["no gradient (None)", "changed the list it was given"],
+        ),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_clip_and_count_rejects(fn, fragments, capsys):
+    assert_fails(ex.check_clip_and_count, fn, capsys, *fragments)
+
+
 # ------------------------------------------------------------ total norm
 
 
@@ -659,9 +853,11 @@ def _norm_always_2(tensors, norm_type=2.0):
     return ref_total_norm(tensors, 2.0)
 
 
-def _norm_cat_empty_crash(tensors, norm_type=2.0):
-    flat = [t.reshape(-1).to(torch.promote_types(t.dtype, torch.float32)) for t in _plist(tensors)]
-    return torch.linalg.vector_norm(torch.cat(flat), norm_type)
+def _norm_stack_empty_crash(tensors, norm_type=2.0):
+    tensors = _plist(tensors)
+    wide = _norm_dtype(tensors)
+    norms = [torch.linalg.vector_norm(t, norm_type, dtype=wide) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)  # stack([]) raises
 
 
 def _norm_shape_1(tensors, norm_type=2.0):
@@ -713,13 +909,44 @@ def _norm_modifies_input(tensors, norm_type=2.0):
     return ref_total_norm(tensors, norm_type)
 
 
+def _norm_concatenated(tensors, norm_type=2.0):
+    # Right values in the right dtype, through the concatenation the exercise forbids.
+    tensors = _plist(tensors)
+    if not tensors:
+        return torch.tensor(0.0)
+    wide = _norm_dtype(tensors)
+    return torch.linalg.vector_norm(torch.cat([t.reshape(-1).to(wide) for t in tensors]), norm_type)
+
+
+def _norm_parameters_to_vector(tensors, norm_type=2.0):
+    tensors = _plist(tensors)
+    if not tensors:
+        return torch.tensor(0.0)
+    wide = _norm_dtype(tensors)
+    flat = torch.nn.utils.parameters_to_vector([t.to(wide) for t in tensors])
+    return torch.linalg.vector_norm(flat, norm_type)
+
+
+def _norm_widens_in_the_callers_list(tensors, norm_type=2.0):
+    if isinstance(tensors, list):
+        for i, t in enumerate(tensors):
+            tensors[i] = t.double()  # replaces the caller's items; the tensors are intact
+    return ref_total_norm(tensors, norm_type)
+
+
 @pytest.mark.parametrize(
     "fn, fragments",
     [
+        (_norm_concatenated, ["Case 1 of", "concatenates the tensors (torch.cat)"]),
+        (_norm_parameters_to_vector, ["concatenates the tensors", "norm of those norms"]),
+        (
+            _norm_widens_in_the_callers_list,
+            ["changed the list it was given: item 0 was replaced", "tensors = list(tensors)"],
+        ),
         (_norm_sum_of_norms, ["three tensors, norm_type=2", "expected"]),
         (_norm_python_float, ["the Python number"]),
         (_norm_always_2, ["norm_type=1"]),
-        (_norm_cat_empty_crash, ["empty list", "Your function raised ValueError"]),
+        (_norm_stack_empty_crash, ["empty list", "Your function raised RuntimeError"]),
         (_norm_shape_1, ["of shape (1,)"]),
         (_norm_generator_twice, ["generator", "one pass"]),
         (_norm_nan_to_zero, ["NaN"]),
@@ -766,10 +993,11 @@ def _step_nan_hole(parameters, optimizer, max_norm):
 def _step_clips_instead(parameters, optimizer, max_norm):
     params = _plist(parameters)
     total = ref_clip_grad_norm_(params, max_norm)
-    if not bool(torch.isfinite(total)):
+    finite, within = torch.stack([torch.isfinite(total), _keep(total, max_norm)]).tolist()
+    if not finite:
         return False
     optimizer.step()
-    return bool(total <= max_norm)
+    return within
 
 
 def _step_returns_tensor_float(parameters, optimizer, max_norm):
@@ -779,7 +1007,7 @@ def _step_returns_tensor_float(parameters, optimizer, max_norm):
 
 def _step_generator_twice(parameters, optimizer, max_norm):
     total = ref_total_norm(_grads(parameters), 2.0)
-    if not (bool(torch.isfinite(total)) and bool(total <= max_norm)):
+    if not bool(_keep(total, max_norm)):
         return False
     if not list(parameters):  # a generator is used up: wrongly skip
         return False
@@ -791,7 +1019,7 @@ def _step_generator_twice(parameters, optimizer, max_norm):
     "fn, fragments",
     [
         (_step_always, ["must be skipped", "expected return value: False"]),
-        (_step_never, ["step 1 of 7", "must be taken"]),
+        (_step_never, ["step 1 of 9", "must be taken"]),
         (_step_zero_grads_then_step, ["must be skipped"]),
         (_step_nan_hole, ["a NaN gradient", "must be skipped"]),
         (_step_clips_instead, ["must be skipped"]),
@@ -802,6 +1030,110 @@ def _step_generator_twice(parameters, optimizer, max_norm):
 )
 def test_guarded_step_rejects(fn, fragments, capsys):
     assert_fails(ext.check_guarded_step, fn, capsys, *fragments)
+
+
+def _step_two_reads(parameters, optimizer, max_norm):
+    # right decisions, but two host reads: the finiteness and the comparison apart
+    total = ref_total_norm(_grads(parameters), 2.0)
+    if bool(torch.isfinite(total)) and bool(max_norm / (total + 1e-6) >= 1.0):
+        optimizer.step()
+        return True
+    return False
+
+
+def _step_norm_then_compare(parameters, optimizer, max_norm):
+    # two reads again: the norm as a float, then a tensor comparison
+    total = ref_total_norm(_grads(parameters), 2.0)
+    value = total.item()
+    if math.isfinite(value) and bool(max_norm / (total + 1e-6) >= 1.0):
+        optimizer.step()
+        return True
+    return False
+
+
+def _step_no_epsilon(parameters, optimizer, max_norm):
+    total = ref_total_norm(_grads(parameters), 2.0)
+    if bool(torch.isfinite(total) & (total <= max_norm)):  # keeps a norm equal to max_norm
+        optimizer.step()
+        return True
+    return False
+
+
+def _step_strict_no_epsilon(parameters, optimizer, max_norm):
+    total = ref_total_norm(_grads(parameters), 2.0)
+    if bool(torch.isfinite(total) & (total < max_norm)):  # strict, but without the 1e-6
+        optimizer.step()
+        return True
+    return False
+
+
+def _step_none_grads_on_skip(parameters, optimizer, max_norm):
+    params = _plist(parameters)
+    if ref_guarded_step(params, optimizer, max_norm):
+        return True
+    for p in params:  # "clear" the bad gradient: no longer a gradient at all
+        p.grad = None
+    return False
+
+
+@pytest.mark.parametrize(
+    "fn, fragments",
+    [
+        (_step_two_reads, ["step 1 of 9", "read the host 2 times; 1 allowed"]),
+        (_step_norm_then_compare, ["read the host 2 times", "1. "]),
+        (
+            _step_no_epsilon,
+            ["step 6 of 9", "exactly max_norm = 5", "must be skipped", "not if norm <= max_norm"],
+        ),
+        (
+            _step_strict_no_epsilon,
+            ["step 8 of 9", "4.99999952316", "must be skipped", "not if norm < max_norm"],
+        ),
+        (_step_none_grads_on_skip, ["step 3 of 9", ".grad is None", "zero them in place"]),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_guarded_step_rejects_reads_boundaries_and_none(fn, fragments, capsys):
+    assert_fails(ext.check_guarded_step, fn, capsys, *fragments)
+
+
+def test_guarded_step_allows_the_optimizers_own_reads(capsys):
+    # default Adam reads its CPU step counts itself: one more read than those is allowed
+    seen = []
+
+    def counting(parameters, optimizer, max_norm):
+        with HostReadCounter() as reads:
+            result = ref_guarded_step(parameters, optimizer, max_norm)
+        seen.append((type(optimizer).__name__, result, reads.count))
+        return result
+
+    assert_passes(ext.check_guarded_step, counting, capsys)
+    adam_taken = [n for name, taken, n in seen if name == "Adam" and taken]
+    assert adam_taken and min(adam_taken) > 1  # Adam's own reads came on top of the one
+
+
+def test_guarded_step_zeroing_on_a_skip_is_allowed(capsys):
+    def zero_on_skip(parameters, optimizer, max_norm):
+        params = _plist(parameters)
+        if ref_guarded_step(params, optimizer, max_norm):
+            return True
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        return False
+
+    assert_passes(ext.check_guarded_step, zero_on_skip, capsys)
+
+
+def test_guarded_step_an_answer_that_empties_its_list_is_judged_on_its_steps(capsys):
+    # the check hands the answer its own list: clearing it must not break the check
+    def clears(parameters, optimizer, max_norm):
+        result = ref_guarded_step(parameters, optimizer, max_norm)
+        if isinstance(parameters, list):
+            parameters.clear()
+        return result
+
+    assert_passes(ext.check_guarded_step, clears, capsys)
 
 
 def test_guarded_step_accepts_a_tensor_bool(capsys):
@@ -815,7 +1147,7 @@ def _step_iterates_a_bare_tensor(parameters, optimizer, max_norm):
     # for p in parameters: on a bare tensor that walks its rows, whose .grad is None
     grads = [p.grad for p in parameters if p.grad is not None]
     total = ref_total_norm(grads, 2.0)
-    if bool(torch.isfinite(total)) and bool(max_norm / (total + 1e-6) >= 1.0):
+    if bool(_keep(total, max_norm)):
         optimizer.step()
         return True
     return False
@@ -890,7 +1222,7 @@ def test_guarded_step_names_the_state_that_moved(capsys):
     def zero_then_step(parameters, optimizer, max_norm):
         params = _plist(parameters)
         total = ref_total_norm(_grads(params), 2.0)
-        ok = bool(torch.isfinite(total)) and bool(total <= max_norm)
+        ok = bool(_keep(total, max_norm))
         if not ok:
             for p in params:
                 if p.grad is not None:
