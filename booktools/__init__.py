@@ -7,7 +7,9 @@ repository by its own location (``booktools/`` sits at its root):
   (the book's macros, and the setup cell that installs the packages in a fresh kernel);
 * ``python -m booktools.myst_compat``: citations and cross-references as Markdown
   links that JupyterLab and Jupyter Book both resolve;
-* ``python -m booktools.student_edition OUTDIR``: the edition without solutions.
+* ``python -m booktools.student_edition OUTDIR``: the edition without solutions;
+* ``python -m booktools.assignments OUT``: the chapters as otter-grader assignments
+  (``grade``: grade them locally);
 * ``python -m booktools.hero``: the introduction's hero figure, a file the page includes.
 
 They need nbformat and PyYAML (``requirements.txt``), which neither ``gradlab`` nor
