@@ -67,10 +67,14 @@ def test_bad_arguments():
         fd.ring_allreduce_seconds(2, -1)
     with pytest.raises(ValueError):
         fd.Link(alpha_s=-1.0, bandwidth_Bps=1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="powers of two"):
         fd.allreduce_cost_html(n_ranks=1000)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="power of ten"):
         fd.allreduce_cost_html(params=3e9)
+    with pytest.raises(ValueError, match="n_ranks"):
+        fd.allreduce_cost_html(n_ranks=0)
+    with pytest.raises(ValueError, match="params"):
+        fd.allreduce_cost_html(params=math.nan)
 
 
 class _Collect(HTMLParser):
@@ -108,6 +112,41 @@ def test_html_figure_structure():
     assert fd.COST_JS.strip() in page.scripts[1]
     # two calls without a uid get different ids
     assert fd.allreduce_cost_html() != fd.allreduce_cost_html()
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, lo, hi",
+    [
+        ({"n_ranks": 1}, "log2n", 0, 14),  # one rank: the slider starts at 2**0
+        ({"n_ranks": 32768}, "log2n", 1, 15),  # beyond max_ranks: widened
+        ({"params": 1e13}, "log10params", 6, 13),
+        ({"params": 1e3}, "log10params", 3, 12),
+        ({"link": fd.Link(alpha_s=0.5e-6, bandwidth_Bps=25e9)}, "alpha_us", 0.5, 50),
+        ({"link": fd.Link(alpha_s=60e-6, bandwidth_Bps=25e9)}, "alpha_us", 1, 60),
+        ({"link": fd.Link(alpha_s=5e-6, bandwidth_Bps=900e9)}, "bandwidth_gbs", 1, 900),
+        ({"link": fd.Link(alpha_s=5e-6, bandwidth_Bps=0.5e9)}, "bandwidth_gbs", 0.5, 400),
+    ],
+)
+def test_html_figure_just_outside_its_sliders(kwargs, param, lo, hi):
+    # a starting value outside a slider's range widens the range (it used to raise)
+    page = _Collect()
+    page.feed(str(fd.allreduce_cost_html(**kwargs)))
+    slider = {i["data-param"]: i for i in page.inputs}[param]
+    assert (float(slider["min"]), float(slider["max"])) == (lo, hi)
+    assert lo <= float(slider["value"]) <= hi
+    config = json.loads(page.scripts[0])
+    assert config["min_log2"] <= float({i["data-param"]: i for i in page.inputs}["log2n"]["value"])
+
+
+def test_measured_small_allreduces_are_tens_of_microseconds():
+    rows = fd.MEASURED_SMALL_ALLREDUCE
+    assert len(rows) >= 2 and all(r.nbytes == fd.DECISION_BYTES for r in rows)
+    assert all(r.source.startswith("https://github.com/NVIDIA/nccl") for r in rows)
+    assert all(10e-6 < r.seconds < 100e-6 for r in rows)
+    assert any(r.nodes > 1 for r in rows)
+    # the ring on the hypothetical link prices 16 ranks at 150 us: the same order, while
+    # at 1,024 ranks it says 10 ms, which no measured tree comes near
+    assert fd.ring_allreduce_seconds(16, 8) == pytest.approx(150e-6, rel=1e-3)
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")

@@ -133,3 +133,73 @@ def test_scale_figure_renders_with_its_counts(log2_scale, dtype):
     assert png_bytes(fig)[:4] == b"\x89PNG"
     with pytest.raises(ValueError):
         precision.scale_figure(0, "float32")
+
+
+@pytest.mark.parametrize("log2_scale", [-8, -1, 29, 32, 40, 64])
+def test_scale_figure_just_outside_its_slider(log2_scale):
+    # the slider runs 0..28: a loss scale a little outside still draws, with its counts
+    fig = precision.scale_figure(log2_scale)
+    counts = precision.fates(precision.model_gradients(), 2.0**log2_scale)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert f"rounds to inf: {counts.overflow}" in labels
+    with pytest.raises(ValueError, match="log2_scale"):
+        precision.scale_figure(2000)
+    with pytest.raises(ValueError, match="log2_scale"):
+        precision.scale_figure("16")
+
+
+@pytest.mark.parametrize(
+    "count, total, text",
+    [
+        (0, 10, "0"),
+        (10, 10, "100%"),
+        (1, 1000, "<1%"),
+        (999, 1000, ">99%"),
+        (8761, 12672, "69%"),
+        (8752, 12672, "69%"),
+        (8272, 12672, "65%"),
+        (1, 3, "33%"),
+    ],
+)
+def test_percent_is_a_share_that_few_entries_cannot_move(count, total, text):
+    assert precision.percent(count, total) == text
+
+
+def test_percent_refuses_impossible_counts():
+    for count, total in ((1, 0), (-1, 5), (6, 5)):
+        with pytest.raises(ValueError):
+            precision.percent(count, total)
+
+
+@pytest.mark.parametrize(
+    "x, k",
+    [(1e-3, -10), (1.0092e-3, -10), (3.54e-3, -8), (0.33, -2), (8.26e-3, -7), (1.0, 0), (3.0, 2)],
+)
+def test_nearest_log2(x, k):
+    assert precision.nearest_log2(x) == k
+    # independent: 2**k is the nearest power of two on a log scale
+    assert abs(math.log2(x) - k) <= 0.5
+
+
+def test_nearest_log2_refuses_what_has_no_logarithm():
+    for x in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            precision.nearest_log2(x)
+
+
+def test_the_chain_is_built_to_span_the_range_and_the_transformer_is_not():
+    chain = precision.model_gradients().double().abs()
+    tf = precision.model_gradients(model="transformer").double().abs()
+    assert tf.dtype == torch.float64 and tf.numel() > 100_000
+    # ten decades against the transformer's middle half within two decades
+    assert math.log10(chain.max() / chain.min()) > 9
+    q1, q3 = torch.quantile(tf[tf > 0], torch.tensor([0.25, 0.75], dtype=torch.float64))
+    assert math.log10(q3 / q1) < 2
+    chain_lost = precision.fates(chain, 1.0).fraction("zero")
+    tf_lost = precision.fates(tf, 1.0).fraction("zero")
+    assert chain_lost > 0.5 and tf_lost < 0.01
+    rows = precision.autocast_loss_table([1.0, 2.0**16], model="transformer")
+    assert rows[0].lost < 0.001 * rows[0].total and rows[0].nonfinite == 0
+    assert rows[1].lost == 0 and rows[1].median_error < 4e-3
+    with pytest.raises(ValueError, match="model"):
+        precision.model_gradients(model="resnet")

@@ -139,16 +139,53 @@ def test_figures_draw():
     assert "after 100 steps" in fig.axes[0].get_title()
 
 
+def test_figures_just_outside_their_sliders():
+    # the explorables' sliders: C in [0.01, 100]; sigma and q from the grid; the mark
+    x, y = P.classification_data(8, corrupted=(2,), scale=3.0, seed=2)
+    grads = P.loop_grads(P.small_model(), x, y)
+    sweep = P.clip_ignore_sweep(grads, [0.01, 1.0, 100.0], [i != 2 for i in range(8)])
+    for c in (0.0, 1e-3, 150.0, 1e4, math.inf):
+        assert isinstance(P.clip_ignore_figure(c, sweep), Figure)
+    steps = [10, 100, 1000]
+    grid = P.epsilon_grid([1.0, 2.0], [0.01], steps, 1e-5)
+    # a sigma and a q the grid lacks, and a mark between its steps: computed (these
+    # raised KeyError and ValueError)
+    fig = P.epsilon_figure(0.5, 0.03, grid, steps, 1e-5, mark=300)
+    want = P.epsilon_curve(0.5, 0.03, [300], 1e-5)[0]
+    assert f"ε = {want:.3g}" in fig.axes[0].get_title()
+    line = fig.axes[0].get_lines()[0]
+    assert list(line.get_ydata()) == pytest.approx(list(P.epsilon_curve(0.5, 0.03, steps, 1e-5)))
+
+
+def test_ghost_costs_count_both_forms():
+    c = P.ghost_costs(128, 256, 128)
+    assert c["gram_numbers"] == 2 * 128**2 and c["formed_numbers"] == 128 * 256
+    assert c["gram_madds"] == 128**2 * 384 and c["formed_madds"] == 128 * 128 * 256
+    assert c["memory_break_even_T"] == pytest.approx(128.0)  # sqrt(128 * 256 / 2)
+    assert c["time_break_even_T"] == pytest.approx(128 * 256 / 384)
+    # at the memory break-even the two forms hold as many numbers: 2 * 4**2 = 4 * 8
+    assert P.ghost_costs(4, 8, 4)["gram_numbers"] == P.ghost_costs(4, 8, 4)["formed_numbers"]
+    with pytest.raises(ValueError, match="seq_len"):
+        P.ghost_costs(4, 4, 0)
+
+
 def test_stored_costs_are_consistent():
     data = P.load_costs()
-    rows = {r["method"]: r for r in data["rows"]}
-    assert {"non-private", "per-sample loop", "torch.func vmap", "gradlab ghost"} <= set(rows)
-    assert data["machine"] and data["torch"] and data["batch"] == 64 and data["threads"] == 1
-    base = rows["non-private"]["min_ms"]
-    assert rows["non-private"]["ratio_to_non_private"] == 1.0
-    for r in rows.values():
-        assert r["min_ms"] <= r["median_ms"]
-        # the printed ratios are of the unrounded minima: within rounding of the table's
-        assert r["ratio_to_non_private"] == pytest.approx(r["min_ms"] / base, rel=0.05)
-        if r["method"] != "non-private":
-            assert r["max_abs_grad_diff_vs_loop"] < 1e-6
+    assert data["timer"].startswith("thread CPU time") and data["threads"] == 1
+    assert data["machine"] and data["torch"]
+    tables = {t["seq_len"]: t for t in data["tables"]}
+    assert set(tables) == {1, 128, 512}
+    assert tables[1]["batch"] == 64 and tables[1]["parameters"] == 396_210
+    assert data["rows"] == tables[1]["rows"]
+    for table in tables.values():
+        rows = {r["method"]: r for r in table["rows"]}
+        assert {"non-private", "per-sample loop", "torch.func vmap", "gradlab ghost"} <= set(rows)
+        base = rows["non-private"]["min_ms"]
+        assert rows["non-private"]["ratio_to_non_private"] == 1.0
+        for r in rows.values():
+            assert r["min_ms"] <= r["median_ms"]
+            # the ratios are of the unrounded minima: within rounding of the table's
+            assert r["ratio_to_non_private"] == pytest.approx(r["min_ms"] / base, rel=0.05)
+            if r["method"] != "non-private":
+                assert r["max_abs_grad_diff_vs_loop"] < 1e-6
+                assert r["paired_ratio_median"] > 0

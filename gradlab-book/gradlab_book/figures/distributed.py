@@ -22,7 +22,11 @@ Two kinds of content:
   :mod:`gradlab_book.distributed_demo` writes.
 
 The link figures in :data:`HYPOTHETICAL_LINK` are round, made-up numbers for the
-arithmetic, not measurements of any machine.
+arithmetic, not measurements of any machine. What NCCL actually takes for a message of a
+few bytes is in :data:`MEASURED_SMALL_ALLREDUCE`: published ``nccl-tests`` runs, cited
+one by one. NCCL does not run a ring for 8 bytes: it models every algorithm and protocol
+({Ring, Tree, CollNet, NVLS} x {LL, LL128, Simple}) for each message size and takes the
+fastest, a tree with the low-latency LL protocol for small messages.
 """
 
 # The text is typeset for readers: α, β, µ and × are meant.
@@ -45,7 +49,9 @@ from gradlab_book.plots import CLIP, KEEP, NONE, new_figure
 __all__ = [
     "DECISION_BYTES",
     "HYPOTHETICAL_LINK",
+    "MEASURED_SMALL_ALLREDUCE",
     "Link",
+    "Measurement",
     "allreduce_cost_html",
     "cost_table",
     "format_cost_table",
@@ -76,6 +82,42 @@ HYPOTHETICAL_LINK = Link(alpha_s=5e-6, bandwidth_Bps=25e9)
 
 #: A decision's message: a float32 norm and a float32 non-finite flag.
 DECISION_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One published ``nccl-tests`` all_reduce_perf line for a message of a few bytes."""
+
+    gpus: int
+    nodes: int
+    hardware: str
+    nbytes: int
+    seconds: float  # the out-of-place time the run printed
+    source: str  # where it was published (a public issue thread)
+    note: str = ""
+
+
+#: Small all-reduces as NCCL ran them (``all_reduce_perf``, out-of-place, float sum),
+#: copied from the public threads named; the book measures none (no GPU here).
+MEASURED_SMALL_ALLREDUCE = (
+    Measurement(
+        gpus=8,
+        nodes=1,
+        hardware="8 GeForce RTX 3090, PCIe, one process (-g 8)",
+        nbytes=8,
+        seconds=54.18e-6,
+        source="https://github.com/NVIDIA/nccl/issues/1439",
+    ),
+    Measurement(
+        gpus=16,
+        nodes=2,
+        hardware="2 nodes of 8 H20, InfiniBand NDR (16 ConnectX-7), NCCL 2.21.5",
+        nbytes=8,
+        seconds=47.60e-6,
+        source="https://github.com/NVIDIA/nccl/issues/1244",
+        note="NCCL_ALGO=NVLSTree",
+    ),
+)
 
 
 def _check(n_ranks: int, nbytes: float) -> None:
@@ -241,7 +283,7 @@ _FIGURE_JS = r"""
     return e;
   }
   function val(p) { return parseFloat(root.querySelector('input[data-param="' + p + '"]').value); }
-  var xmin = 1, xmax = cfg.max_log2, ymin = -7, ymax = 2;
+  var xmin = cfg.min_log2, xmax = cfg.max_log2, ymin = -7, ymax = 2;
   function X(log2n) { return L + (log2n - xmin) / (xmax - xmin) * (W - L - R); }
   function Y(t) {
     var l = Math.log10(Math.max(t, 1e-12));
@@ -326,8 +368,8 @@ _counter = itertools.count(1)
 
 
 def _slider(uid: str, param: str, label: str, lo: float, hi: float, step: float, value: float):
-    if not lo <= value <= hi:
-        raise ValueError(f"{param}={value!r} is outside [{lo}, {hi}]")
+    """A range input; its range is widened to hold a ``value`` outside ``[lo, hi]``."""
+    lo, hi = min(lo, value), max(hi, value)
     sid = f"{uid}-{param}"
     return (
         f'<label for="{sid}"><span>{html.escape(label)}</span>'
@@ -346,19 +388,32 @@ def allreduce_cost_html(
 ) -> DirectHTML:
     """The alpha-beta cost of all-reducing the gradients vs an 8-byte decision.
 
-    Sliders: the number of ranks (powers of two), the model size (powers of ten, at
-    ``bytes_per_param`` bytes a gradient entry), the latency and the bandwidth.
+    Sliders: the number of ranks (powers of two, 2 to ``max_ranks``), the model size
+    (powers of ten, 1e6 to 1e12, at ``bytes_per_param`` bytes a gradient entry), the
+    latency (1 to 50 µs) and the bandwidth (1 to 400 GB/s). A starting value outside a
+    slider's range widens that range to hold it (one rank, NVLink's 900 GB/s, 1e13
+    entries); the ranks and the model size must still be a power of two and of ten.
     """
-    log2n = math.log2(n_ranks)
-    max_log2 = math.log2(max_ranks)
-    if not (log2n.is_integer() and max_log2.is_integer() and 1 <= log2n <= max_log2):
-        raise ValueError("n_ranks and max_ranks must be powers of two, 2 <= n_ranks <= max_ranks")
+    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"n_ranks must be a positive int, got {n_ranks!r}")
+    if isinstance(max_ranks, bool) or not isinstance(max_ranks, int) or max_ranks < 2:
+        raise ValueError(f"max_ranks must be an int >= 2, got {max_ranks!r}")
+    log2n, max_log2 = math.log2(n_ranks), math.log2(max(max_ranks, n_ranks))
+    if not (log2n.is_integer() and max_log2.is_integer()):
+        raise ValueError(
+            f"n_ranks and max_ranks must be powers of two (the slider's steps), "
+            f"got {n_ranks!r} and {max_ranks!r}"
+        )
+    if not (isinstance(params, int | float) and params > 0 and math.isfinite(params)):
+        raise ValueError(f"params must be a positive number, got {params!r}")
     log10p = math.log10(params)
-    if not (log10p.is_integer() and 6 <= log10p <= 12):
-        raise ValueError(f"params must be a power of ten from 1e6 to 1e12, got {params!r}")
+    if not (abs(log10p - round(log10p)) < 1e-9 and 0 <= round(log10p) <= 15):
+        raise ValueError(f"params must be a power of ten from 1 to 1e15, got {params!r}")
+    log10p = round(log10p)
     if uid is None:
         uid = f"glar-{next(_counter)}"
     config = {
+        "min_log2": int(min(1, log2n)),
         "max_log2": int(max_log2),
         "bytes_per_param": bytes_per_param,
         "decision_bytes": DECISION_BYTES,
@@ -368,7 +423,7 @@ def allreduce_cost_html(
     gbs = link.bandwidth_Bps / 1e9
     sliders = (
         _slider(uid, "log2n", "ranks N", 1, max_log2, 1, log2n)
-        + _slider(uid, "log10params", "gradient entries", 6, 12, 1, log10p)
+        + _slider(uid, "log10params", "gradient entries", 6, 12, 1, float(log10p))
         + _slider(uid, "alpha_us", "latency α per message (µs)", 1, 50, 1, alpha_us)
         + _slider(uid, "bandwidth_gbs", "bandwidth β (GB/s)", 1, 400, 1, gbs)
     )

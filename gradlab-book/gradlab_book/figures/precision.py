@@ -10,9 +10,20 @@ scale. The computations here (:func:`formats`, :func:`fates`,
 :func:`autocast_gradients`) return plain numbers, decided by torch's own casts and
 autocast; :func:`scale_figure` only draws.
 
-The chapter's model is a deep ``tanh`` chain (:func:`gradlab_book.demos.tanh_chain`,
-12 layers of width 32, weights :math:`0.4/\sqrt{32}`): its gradients shrink layer by
-layer and span ten decades, like the gradients of a deep network late in training.
+Two models. The chapter's first is a deep ``tanh`` chain
+(:func:`gradlab_book.demos.tanh_chain`, 12 layers of width 32, weights
+:math:`0.4/\sqrt{32}`), *built* so that its gradients shrink layer by layer and span
+ten decades: a vanishing-gradient construction that exercises every part of float16's
+range, not a typical network. The second, for contrast, is the small pre-LN transformer
+of the loss-spike chapter (:mod:`gradlab_book.char_lm`: token and position embeddings,
+two blocks of width 64, LayerNorms and residual connections), on a seeded batch of
+random tokens: normalisation and residual paths keep its gradients within a few
+decades. :func:`autocast_loss_table` runs either (``model="chain"`` or
+``"transformer"``).
+
+The chapter prints what it teaches robustly to the last float bits (the float16
+products of autocast differ between CPU kernels): a share of the entries
+(:func:`percent`) and a median error to the nearest power of two (:func:`nearest_log2`).
 """
 
 from __future__ import annotations
@@ -33,14 +44,19 @@ from gradlab_book.plots import CLIP, IGNORE, KEEP, SKIP, new_figure
 __all__ = [
     "DEPTH",
     "FORMATS",
+    "MODELS",
+    "TRANSFORMER",
     "WIDTH",
     "Fates",
     "Format",
+    "LossRow",
     "autocast_gradients",
     "autocast_loss_table",
     "fates",
     "formats",
     "model_gradients",
+    "nearest_log2",
+    "percent",
     "scale_figure",
 ]
 
@@ -51,6 +67,13 @@ DEPTH = 12
 WIDTH = 32
 _WEIGHT_SCALE = 0.4
 _BATCH = 64
+
+#: The contrast model: :func:`gradlab_book.char_lm.make_model` with this setup, on a
+#: batch of ``batch`` random sequences of ``context`` tokens (next-token targets).
+TRANSFORMER = {"context": 64, "width": 64, "layers": 2, "heads": 4, "batch": 16}
+
+#: The models :func:`autocast_loss_table` and :func:`model_gradients` know.
+MODELS = ("chain", "transformer")
 
 
 @dataclass(frozen=True)
@@ -107,6 +130,40 @@ def format_of(dtype: str) -> Format:
         if row.name == dtype:
             return row
     raise ValueError(f"dtype must be one of {sorted(FORMATS)}, got {dtype!r}")
+
+
+def percent(count: int, total: int) -> str:
+    """``count`` of ``total`` as a share that the last float bits cannot move.
+
+    ``"0"`` and ``"100%"`` only when exact; ``"<1%"`` and ``">99%"`` near the ends;
+    otherwise the nearest whole percent. A share changes only when some entries move
+    across a rounding edge by about a hundredth of ``total``, where a count would change
+    with a single entry.
+    """
+    if total <= 0 or not 0 <= count <= total:
+        raise ValueError(f"need 0 <= count <= total and total > 0, got {count} of {total}")
+    if count == 0:
+        return "0"
+    if count == total:
+        return "100%"
+    share = 100.0 * count / total
+    if share < 1.0:
+        return "<1%"
+    if share > 99.0:
+        return ">99%"
+    return f"{share:.0f}%"
+
+
+def nearest_log2(x: float) -> int:
+    """The integer k for which :math:`2^k` is nearest to ``x`` on a log scale.
+
+    ``round(log2(x))``: a relative error of 1e-3 is reported as ``2**-10``, and noise of
+    a few per cent (7% from the middle to the edge) does not move it.
+    """
+    x = float(x)
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"x must be a positive finite number, got {x!r}")
+    return round(math.log2(x))
 
 
 # ------------------------------------------------------------------ the fates
@@ -184,26 +241,54 @@ def _model_and_batch(seed: int = 0):
     return model, x, y
 
 
-@functools.lru_cache(maxsize=8)
-def _gradients(autocast: str | None, scale: float, seed: int) -> Tensor:
-    model, x, y = _model_and_batch(seed)
+def _transformer_and_batch(seed: int = 0):
+    from gradlab_book import char_lm  # the loss-spike chapter's model
+
+    setup = TRANSFORMER
+    model = char_lm.make_model(seed, setup)
+    vocab = model.head.out_features
+    gen = torch.Generator().manual_seed(seed + 1)
+    shape = (setup["batch"], setup["context"])
+    x = torch.randint(0, vocab, shape, generator=gen)
+    y = torch.randint(0, vocab, shape, generator=gen)
+    return model, x, y
+
+
+def _loss(model_name: str, model, out: Tensor, y: Tensor) -> Tensor:
+    if model_name == "chain":
+        return torch.nn.functional.mse_loss(out.float(), y)
+    vocab = model.head.out_features
+    return torch.nn.functional.cross_entropy(out.float().reshape(-1, vocab), y.reshape(-1))
+
+
+def _check_model(model: str) -> None:
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+
+
+@functools.lru_cache(maxsize=16)
+def _gradients(autocast: str | None, scale: float, seed: int, model_name: str) -> Tensor:
+    build = _model_and_batch if model_name == "chain" else _transformer_and_batch
+    model, x, y = build(seed)
     if autocast is None:
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        out = model(x)
     else:
         with torch.autocast("cpu", dtype=FORMATS[autocast]):
             out = model(x)
-        loss = torch.nn.functional.mse_loss(out.float(), y)
-    (loss * scale).backward()
+    (_loss(model_name, model, out, y) * scale).backward()
     grads = [p.grad.reshape(-1) for p in model.parameters()]
     return torch.cat(grads) / scale  # float32, as the parameters; / 2**k is exact
 
 
-def model_gradients(seed: int = 0) -> Tensor:
-    """All gradient entries of the chapter's model in float32 (no autocast), 1-D."""
-    return _gradients(None, 1.0, seed).clone()
+def model_gradients(seed: int = 0, model: str = "chain") -> Tensor:
+    """All gradient entries of ``model`` (see :data:`MODELS`) in float32, no autocast, 1-D."""
+    _check_model(model)
+    return _gradients(None, 1.0, seed, model).clone()
 
 
-def autocast_gradients(scale: float = 1.0, dtype: str = "float16", seed: int = 0) -> Tensor:
+def autocast_gradients(
+    scale: float = 1.0, dtype: str = "float16", seed: int = 0, model: str = "chain"
+) -> Tensor:
     """The same gradients from a real ``torch.autocast`` backward with loss scale ``scale``.
 
     The forward runs in ``dtype`` under CPU autocast, the loss is taken in float32 and
@@ -213,7 +298,8 @@ def autocast_gradients(scale: float = 1.0, dtype: str = "float16", seed: int = 0
     """
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
-    return _gradients(dtype, float(scale), seed).clone()
+    _check_model(model)
+    return _gradients(dtype, float(scale), seed, model).clone()
 
 
 @dataclass(frozen=True)
@@ -236,13 +322,13 @@ class LossRow:
 
 
 def autocast_loss_table(
-    scales: Sequence[float], dtype: str = "float16", seed: int = 0
+    scales: Sequence[float], dtype: str = "float16", seed: int = 0, model: str = "chain"
 ) -> list[LossRow]:
-    """What a real autocast backward loses, at each loss scale, against float32."""
-    reference = model_gradients(seed).to(torch.float64)
+    """What a real autocast backward of ``model`` loses, at each loss scale, against float32."""
+    reference = model_gradients(seed, model).to(torch.float64)
     rows = []
     for scale in scales:
-        got = autocast_gradients(scale, dtype, seed).to(torch.float64)
+        got = autocast_gradients(scale, dtype, seed, model).to(torch.float64)
         finite = torch.isfinite(got)
         lost = (got == 0) & (reference != 0)
         usable = finite & ~lost & (reference != 0)
@@ -291,6 +377,10 @@ def scale_figure(log2_scale: int = 16, dtype: str = "float16", seed: int = 0) ->
     """
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+    if isinstance(log2_scale, bool) or not isinstance(log2_scale, int | float):
+        raise ValueError(f"log2_scale must be a number, got {log2_scale!r}")
+    if not -1000 <= log2_scale <= 1000:  # 2**k finite and nonzero in float64
+        raise ValueError(f"log2_scale must be within [-1000, 1000], got {log2_scale!r}")
     scale = 2.0**log2_scale
     values = model_gradients(seed)
     values = values[values != 0]

@@ -21,7 +21,11 @@ gradient; :func:`clip_ignore_figure` draws one threshold of it.
 steps) from Opacus's RDP accountant; :func:`epsilon_figure` draws them.
 
 *Costs.* :func:`load_costs` reads the stored run of ``benchmarks/bench_per_sample.py``
-(``per_sample_costs.json``, :mod:`gradlab_book.stored`).
+(``per_sample_costs.json``, :mod:`gradlab_book.stored`): thread CPU time, one torch
+thread, one table per model (an MLP at T = 1, a sequence model at T = 128 and 512).
+:func:`ghost_costs` counts, per sample and for one Linear layer, the numbers held and the
+multiply-adds of the ghost norm's Gram form and of forming the gradient, with the two
+break-even points.
 
 Compute functions return plain numbers, lists and numpy arrays; figure functions draw them.
 """
@@ -56,6 +60,7 @@ __all__ = [
     "epsilon_curve",
     "epsilon_figure",
     "epsilon_grid",
+    "ghost_costs",
     "load_costs",
     "loop_grads",
     "loss_per_sample",
@@ -316,7 +321,10 @@ def epsilon_figure(
 ) -> Figure:
     """Epsilon against the number of steps for one (sigma, q), the other sigmas faded.
 
-    ``mark`` (one of ``steps``) is marked on the curve and its epsilon given in the title.
+    ``mark`` is marked on the curve and its epsilon given in the title. A pair
+    (``noise_multiplier``, ``sample_rate``) that ``grid`` lacks, or a ``mark`` that is
+    not one of ``steps``, is computed here with :func:`epsilon_curve` (the explorable's
+    precomputed grid holds only its sliders' values).
     """
     fig = new_figure(6.4, 3.8)
     ax = fig.subplots()
@@ -326,9 +334,13 @@ def epsilon_figure(
             continue
         ax.plot(steps, eps, color=NONE, lw=0.8, alpha=0.5)
         ax.annotate(f"σ={s:g}", (steps[-1], eps[-1]), fontsize=7, color=NONE, va="center")
-    eps = grid[(noise_multiplier, sample_rate)]
+    key = (noise_multiplier, sample_rate)
+    eps = grid[key] if key in grid else epsilon_curve(noise_multiplier, sample_rate, steps, delta)
     ax.plot(steps, eps, color=KEEP, lw=2.2, label=f"σ = {noise_multiplier:g}, q = {sample_rate:g}")
-    at = float(eps[list(steps).index(mark)])
+    if mark in list(steps):
+        at = float(eps[list(steps).index(mark)])
+    else:
+        at = float(epsilon_curve(noise_multiplier, sample_rate, [mark], delta)[0])
     ax.scatter([mark], [at], color=KEEP, s=40, zorder=3)
     for level in (1.0, 8.0):
         ax.axhline(level, color=THRESHOLD, lw=0.8, ls=":")
@@ -346,6 +358,39 @@ def epsilon_figure(
 
 
 def load_costs(path: Path = COSTS_PATH) -> dict[str, Any]:
-    """The stored benchmark run: its settings, the machine, and one row per method."""
+    """The stored benchmark run: its settings, the machine, and per model (``tables``)
+    one row per method."""
     with open(path) as f:
         return json.load(f)
+
+
+def ghost_costs(d_in: int, d_out: int, seq_len: int) -> dict[str, float]:
+    r"""Per sample, for one Linear layer seeing ``seq_len`` positions: the Gram form
+    against forming the weight gradient.
+
+    The Gram form of the ghost norm holds two :math:`T 	imes T` matrices and costs
+    :math:`T^2 (d_	ext{in} + d_	ext{out})` multiply-adds; forming
+    :math:`\sum_t g_t a_t^	op` holds :math:`d_	ext{in} d_	ext{out}` numbers and costs
+    :math:`T d_	ext{in} d_	ext{out}`. They hold as many numbers at
+    :math:`2T^2 = d_	ext{in} d_	ext{out}` (the memory break-even, the layer-wise rule of
+    Bu, Mao and Xu's mixed ghost clipping) and cost as much at
+    :math:`T (d_	ext{in} + d_	ext{out}) = d_	ext{in} d_	ext{out}`.
+
+    Returns:
+        dict: ``gram_numbers``, ``gram_madds``, ``formed_numbers``, ``formed_madds``,
+        ``memory_break_even_T`` (:math:`\sqrt{d_	ext{in} d_	ext{out} / 2}`) and
+        ``time_break_even_T`` (:math:`d_	ext{in} d_	ext{out} / (d_	ext{in} +
+        d_	ext{out})`), as floats.
+    """
+    for name, v in (("d_in", d_in), ("d_out", d_out), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    t, p = float(seq_len), float(d_in) * float(d_out)
+    return {
+        "gram_numbers": 2 * t * t,
+        "gram_madds": t * t * (d_in + d_out),
+        "formed_numbers": p,
+        "formed_madds": t * p,
+        "memory_break_even_T": math.sqrt(p / 2),
+        "time_break_even_T": p / (d_in + d_out),
+    }
