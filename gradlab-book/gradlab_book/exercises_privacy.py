@@ -15,10 +15,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from gradlab_book.exercise_kit import (
     EPS,
+    Raised,
     answer,
+    call,
+    indented,
     num,
     rejects_host_read,
     same,
@@ -28,7 +33,12 @@ from gradlab_book.exercise_kit import (
     value_text,
 )
 
-__all__ = ["check_ghost_norm", "check_ignore_per_sample"]
+__all__ = ["GHOST_SIZE_LIMIT", "check_ghost_norm", "check_ignore_per_sample"]
+
+#: The most entries any one tensor may have while an answer to the ghost-norm exercise
+#: runs: far above what the Gram form needs (the large case's inputs hold 200,000
+#: entries each), far below its per-sample gradients (2.5e9 entries per sample).
+GHOST_SIZE_LIMIT = 10**8
 
 
 # ------------------------------------------------------------- ignore per sample
@@ -232,6 +242,19 @@ def check_ignore_per_sample(fn: Callable) -> bool:
         ok, result, reads = answer(fn, call_text, header, hint, inputs, case.max_norm)
         if not ok:
             return False
+        # first: an answer that changed its inputs gets that said, not a wrong-sums hint
+        for k, (before, after) in enumerate(zip(case.grad_samples, inputs, strict=True)):
+            if not torch.equal(before.nan_to_num(), after.nan_to_num()) or not torch.equal(
+                before.isnan(), after.isnan()
+            ):
+                say(
+                    [
+                        *header,
+                        f"  Your function modified grad_samples[{k}] in place; "
+                        "leave the per-sample gradients as they are.",
+                    ]
+                )
+                return False
         if isinstance(result, Tensor) or not isinstance(result, Sequence):
             say(
                 [
@@ -277,18 +300,6 @@ def check_ignore_per_sample(fn: Callable) -> bool:
                     ]
                 )
                 return False
-        for k, (before, after) in enumerate(zip(case.grad_samples, inputs, strict=True)):
-            if not torch.equal(before.nan_to_num(), after.nan_to_num()) or not torch.equal(
-                before.isnan(), after.isnan()
-            ):
-                say(
-                    [
-                        *header,
-                        f"  Your function modified grad_samples[{k}] in place; "
-                        "leave the per-sample gradients as they are.",
-                    ]
-                )
-                return False
         if rejects_host_read(reads, f"Case {index} of {len(cases)}: {case.what}.", call_text):
             return False
     say([f"All {len(cases)} cases pass."])
@@ -298,16 +309,84 @@ def check_ignore_per_sample(fn: Callable) -> bool:
 # ------------------------------------------------------------------- ghost norm
 
 
+class _TooLarge(Exception):
+    pass
+
+
+class _SizeLimit(TorchDispatchMode):
+    """Refuse, before it is computed, any tensor of more than ``limit`` entries.
+
+    Each operator is first run on meta tensors (shapes only, no data, no memory), so
+    that the per-sample gradients of a 50,000 x 50,000 layer are refused without ever
+    being allocated (they would need 10 GB per sample in float32).
+    """
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.refused: tuple[str, tuple[int, ...]] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            meta_args, meta_kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+            shapes = func(*meta_args, **meta_kwargs)
+        except Exception:  # no meta kernel (a host read, say): nothing to foresee
+            shapes = None
+        for t in tree_flatten(shapes)[0]:
+            if isinstance(t, Tensor) and t.numel() > self.limit:
+                self.refused = (str(func), tuple(t.shape))
+                raise _TooLarge(f"{func} would make a tensor of shape {tuple(t.shape)}")
+        return func(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class _GhostCase:
     what: str
     a: Tensor
     g: Tensor
     hint: str = ""
+    #: the expected norms, when they are known in closed form (the large case, whose
+    #: per-sample gradients are too large to form here too); else formed in float64
+    expected: Tensor | None = None
+
+
+def _large_case() -> _GhostCase:
+    """d_in = d_out = 50,000 and T = 2, with norms known without the Gram form.
+
+    Sample 0: a_1 = 2 a_0, so G = (g_0 + 2 g_1) a_0^T has rank one and norm
+    |g_0 + 2 g_1| |a_0|. Sample 1: a_0 and a_1 have disjoint supports, and so do g_0 and
+    g_1, so g_0 a_0^T and g_1 a_1^T fill disjoint blocks of G and
+    |G|^2 = |g_0|^2 |a_0|^2 + |g_1|^2 |a_1|^2.
+    """
+    d, half = 50_000, 25_000
+    a = _seeded((2, 2, d), 21)
+    g = _seeded((2, 2, d), 22)
+    a[0, 1] = 2.0 * a[0, 0]
+    a[1, 0, half:] = 0.0
+    a[1, 1, :half] = 0.0
+    g[1, 0, half:] = 0.0
+    g[1, 1, :half] = 0.0
+    n0 = torch.linalg.vector_norm(g[0, 0] + 2.0 * g[0, 1]) * torch.linalg.vector_norm(a[0, 0])
+    n1 = torch.sqrt(
+        (torch.linalg.vector_norm(g[1, 0]) * torch.linalg.vector_norm(a[1, 0])) ** 2
+        + (torch.linalg.vector_norm(g[1, 1]) * torch.linalg.vector_norm(a[1, 1])) ** 2
+    )
+    return _GhostCase(
+        "a wide layer, d_in = d_out = 50,000, T = 2: each sample's weight gradient would "
+        "hold 2.5e9 numbers, its two Gram matrices 4 each",
+        a,
+        g,
+        "form (B, T, T) Gram matrices, a_t . a_s and g_t . g_s, never a (d_out, d_in) "
+        "gradient (20 GB per sample in float64, as here).",
+        expected=torch.stack([n0, n1]),
+    )
 
 
 def _expected_ghost(case: _GhostCase) -> Tensor:
     """Materialise sample i's weight gradient sum_t g_t a_t^T in float64; its norm."""
+    if case.expected is not None:
+        return case.expected
     a, g = case.a.double(), case.g.double()
     norms = []
     for i in range(a.shape[0]):
@@ -370,6 +449,7 @@ def _ghost_cases() -> list[_GhostCase]:
     cases.append(
         _GhostCase("a batch of one, T = 2", _seeded((1, 2, 3), 11), _seeded((1, 2, 3), 12))
     )
+    cases.append(_large_case())
     return cases
 
 
@@ -379,13 +459,17 @@ def check_ghost_norm(fn: Callable) -> bool:
     The contract: ``a`` is the layer's input, ``(B, T, d_in)``, ``g`` the gradient of
     the loss with respect to its output, ``(B, T, d_out)``. Return the ``(B,)`` norms
     :math:`\|\sum_t g_{it} a_{it}^\top\|_F`, one per sample, in the dtype of the
-    inputs, without forming the ``(B, d_out, d_in)`` per-sample gradients (not
-    checked: any correct formula passes). Expected norms are formed in float64 by
-    materialising each sample's gradient, position by position.
+    inputs, without forming the ``(B, d_out, d_in)`` per-sample gradients. Expected
+    norms are formed in float64 by materialising each sample's gradient, position by
+    position; in the large case they are known in closed form (a rank-one gradient,
+    and one made of disjoint blocks).
 
-    Checked on six cases: one position, a sequence, positions whose gradients cancel, a
-    NaN input in one sample (only that sample's norm may be NaN), float32, and a batch
-    of one.
+    Checked on seven cases: one position, a sequence, positions whose gradients cancel,
+    a NaN input in one sample (only that sample's norm may be NaN), float32, a batch of
+    one, and a layer with d_in = d_out = 50,000 at T = 2, where the per-sample gradients
+    would hold 2.5e9 numbers each: the answer runs under a guard that refuses, before it
+    is allocated, any tensor of more than :data:`GHOST_SIZE_LIMIT` entries, so an
+    ``einsum`` that forms them fails with the reason.
     """
     if not callable(fn):
         say([f"Expected a function, got {value_text(fn)}."])
@@ -399,8 +483,30 @@ def check_ghost_norm(fn: Callable) -> bool:
             f"  call: {call_text}, a of shape {tuple(a.shape)}, g of shape {tuple(g.shape)}",
         ]
         hint = [f"  Hint: {case.hint}"] if case.hint else []
-        ok, result, _ = answer(fn, call_text, header, hint, a, g, watch_host=False)
-        if not ok:
+        guard = _SizeLimit(GHOST_SIZE_LIMIT)
+        try:
+            with guard:
+                result = call(fn, call_text, a, g)
+        except Raised as raised:
+            if raised.lines[0].startswith("Not implemented"):
+                say(raised.lines)
+            elif guard.refused is not None:
+                op, shape = guard.refused
+                size = math.prod(shape)
+                say(
+                    [
+                        *header,
+                        f"  Your function asked for a tensor of shape {shape} ({size:.2g} "
+                        f"numbers, in {op}): it forms the per-sample gradients, which the "
+                        "exercise forbids. It was stopped before the memory was taken.",
+                        *hint,
+                    ]
+                )
+            else:
+                say([*header, *indented(raised.lines), *hint])
+            return False
+        if not (torch.equal(a.nan_to_num(), case.a.nan_to_num()) and torch.equal(g, case.g)):
+            say([*header, "  Your function modified a or g in place."])
             return False
         expected = _expected_ghost(case)
         if not isinstance(result, Tensor):
@@ -435,9 +541,6 @@ def check_ghost_norm(fn: Callable) -> bool:
             if torch.allclose(got64, expected.square(), rtol=rtol, atol=atol, equal_nan=True):
                 lines.append("  Yours are the squared norms: take the square root.")
             say([*lines, *hint])
-            return False
-        if not (torch.equal(a.nan_to_num(), case.a.nan_to_num()) and torch.equal(g, case.g)):
-            say([*header, "  Your function modified a or g in place."])
             return False
     say([f"All {len(cases)} cases pass."])
     return True

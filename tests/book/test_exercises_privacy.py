@@ -46,9 +46,12 @@ def ghost_gram(a, g):
     return (aa * gg).sum((1, 2)).sqrt()
 
 
-def materialised_ghost(a, g):
-    grads = torch.einsum("bto,bti->boi", g, a)  # (B, d_out, d_in)
-    return per_sample_norms([grads]).squeeze(1).to(a.dtype)
+def ghost_per_sample_loop(a, g):
+    # one sample at a time, Gram form: correct, and it forms nothing large
+    norms = []
+    for ai, gi in zip(a, g, strict=True):
+        norms.append(((ai @ ai.T) * (gi @ gi.T)).sum().sqrt())
+    return torch.stack(norms)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +61,7 @@ def materialised_ghost(a, g):
         (ex.check_ignore_per_sample, gradlab_ignore),
         (ex.check_ghost_norm, ref_ghost),
         (ex.check_ghost_norm, ghost_gram),
-        (ex.check_ghost_norm, materialised_ghost),
+        (ex.check_ghost_norm, ghost_per_sample_loop),
     ],
     ids=lambda x: getattr(x, "__name__", str(x)),
 )
@@ -197,15 +200,46 @@ def _ghost_keepdim(a, g):
     return ref_ghost(a, g).unsqueeze(1)
 
 
+def _ghost_formed_einsum(a, g):
+    # the review's answer (N19): right numbers, by forming the (B, d_out, d_in) gradients
+    return torch.einsum("bto,bti->boi", g, a).flatten(1).norm(dim=1)
+
+
+def _ghost_formed_gradlab(a, g):
+    grads = torch.einsum("bto,bti->boi", g, a)  # (B, d_out, d_in)
+    return per_sample_norms([grads]).squeeze(1).to(a.dtype)
+
+
+def _ghost_outer_per_sample(a, g):
+    out = []
+    for ai, gi in zip(a, g, strict=True):
+        grad = sum(torch.outer(gt, at) for at, gt in zip(ai, gi, strict=True))
+        out.append(torch.linalg.matrix_norm(grad))
+    return torch.stack(out)
+
+
+def _ghost_in_place(a, g):
+    a.mul_(1.0)  # a no-op value change is still a write: a NaN survives, bits equal
+    g.add_(1.0)
+    return ghost_gram(a, g - 1.0)
+
+
 @pytest.mark.parametrize(
     "fn, fragments",
     [
-        (_ghost_no_cross_terms, ["Case 2 of 6", "cross terms"]),
-        (_ghost_squared, ["Case 1 of 6", "squared norms: take the square root"]),
-        (_ghost_of_sums, ["Case 2 of 6", "expected norms:"]),
+        (_ghost_no_cross_terms, ["Case 2 of 7", "cross terms"]),
+        (_ghost_squared, ["Case 1 of 7", "squared norms: take the square root"]),
+        (_ghost_of_sums, ["Case 2 of 7", "expected norms:"]),
         (_ghost_mixes_batch, ["expected norms:", "your norms:"]),
         (_ghost_float64, ["float32", "expected dtype torch.float32"]),
         (_ghost_keepdim, ["expected: a tensor of shape (4,)", "(4, 1)"]),
+        (
+            _ghost_formed_einsum,
+            ["Case 7 of 7", "d_in = d_out = 50,000", "(2, 50000, 50000)", "forms the per-sample"],
+        ),
+        (_ghost_formed_gradlab, ["Case 7 of 7", "forms the per-sample gradients"]),
+        (_ghost_outer_per_sample, ["Case 7 of 7", "(50000, 50000)", "stopped before"]),
+        (_ghost_in_place, ["Case 1 of 7", "modified a or g in place"]),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
@@ -218,10 +252,26 @@ def test_ghost_nan_sample_must_stay_in_its_sample(capsys):
         out = ref_ghost(a, g)
         return out + 0 * out.sum()  # one NaN sample poisons the whole batch
 
-    assert_fails(ex.check_ghost_norm, nan_everywhere, capsys, "Case 4 of 6", "do not mix samples")
+    assert_fails(ex.check_ghost_norm, nan_everywhere, capsys, "Case 4 of 7", "do not mix samples")
+
+
+def test_the_formed_answers_pass_every_small_case(capsys):
+    # so that they fail on the large case alone: for the size, not for a wrong number
+    out = assert_fails(ex.check_ghost_norm, _ghost_formed_einsum, capsys, "Case 7 of 7")
+    assert "Case 1" not in out and "expected norms" not in out
+
+
+def test_ignore_answer_that_changes_its_inputs_is_told_so_first(capsys):
+    def scales_inputs(grad_samples, max_norm):
+        for g in grad_samples:
+            g.mul_(2.0)  # changes the inputs, and so the sums
+        return ref_ignore(grad_samples, max_norm)
+
+    out = assert_fails(ex.check_ignore_per_sample, scales_inputs, capsys, "in place")
+    assert "expected sums" not in out  # the value hint would mislead (issue 21, item 13)
 
 
 def test_every_check_has_a_docstring_saying_what_is_checked():
-    for name in ex.__all__:
+    for name in (n for n in ex.__all__ if n.startswith("check_")):
         doc = getattr(ex, name).__doc__
         assert doc and "Check" in doc, name
