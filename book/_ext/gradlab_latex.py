@@ -157,10 +157,16 @@ def bookmark_macros(macros: dict) -> str:
 
 
 def _add_preamble(app, config) -> None:
+    elements = dict(config.latex_elements or {})
+    # No index: the API page's autodoc entries would need makeindex or xindy (not installed
+    # by Debian's TeX packages for XeLaTeX), and a PDF reader searches the text anyway.
+    elements["makeindex"] = ""
+    elements["printindex"] = ""
+    config.latex_domain_indices = False
+    config.latex_elements = elements
     macros = ((config.mathjax3_config or {}).get("tex") or {}).get("macros") or {}
     if not macros:
         return
-    elements = dict(config.latex_elements or {})
     # A glyph missing from the fonts is reported in the log ("Missing character: There is
     # no ... in font ..."), which tests/pdf searches for: made explicit, whatever the format.
     block = "\\tracinglostchars=2\\relax\n"
