@@ -311,7 +311,7 @@ def cliff_html(
 
 
 def norm_ball_html(
-    gradient: Sequence[float] = (-6.847362962895445, 2.2039180434486303),
+    gradient: Sequence[float] = (-6.8474, 2.2039),
     max_norm: float = 3.0,
     extent: float = 8.0,
     mode: str = "clip",
@@ -319,7 +319,8 @@ def norm_ball_html(
 ) -> DirectHTML:
     r"""Clip by norm in 2-D: drag the gradient's tip, see it projected onto the τ-ball.
 
-    ``gradient`` defaults to :func:`gradlab_book.figures.clipping.example_gradient_2d`.
+    ``gradient`` defaults to :func:`gradlab_book.figures.clipping.example_gradient_2d`,
+    rounded to four decimals (a draggable start, not a reference value).
     Modes: ``"clip"`` (:func:`gradlab.clip_grad_norm_`, :math:`g \leftarrow \gamma g`)
     and ``"zero"`` (:func:`gradlab.grad_ignore_norm_`).
     """
@@ -352,7 +353,7 @@ def norm_ball_html(
 
 
 def value_cube_html(
-    gradient: Sequence[float] = (-6.847362962895445, 2.2039180434486303),
+    gradient: Sequence[float] = (-6.8474, 2.2039),
     clip_value: float = 3.0,
     extent: float = 8.0,
     mode: str = "clip",
@@ -398,7 +399,7 @@ _UNIT_PS = (1.0, 1.5, 2.0, 3.0, 4.0, 8.0, math.inf)
 
 
 def unit_balls_html(
-    point: Sequence[float] = (-2.560896158218384, 0.4711417555809021),
+    point: Sequence[float] = (-2.5609, 0.4711),
     p: float = 2.0,
     ps: Sequence[float] = _UNIT_PS,
     extent: float | None = None,
@@ -406,7 +407,8 @@ def unit_balls_html(
 ) -> DirectHTML:
     r"""The unit balls of several p-norms; drag a point, read off all its p-norms.
 
-    ``point`` defaults to :func:`gradlab_book.figures.norms.real_gradient_2d`. For each
+    ``point`` defaults to :func:`gradlab_book.figures.norms.real_gradient_2d`, rounded
+    to four decimals (its last float32 bits depend on the CPU's kernels). For each
     p of ``ps`` (positive, ``math.inf`` allowed) the figure shows
     :math:`\|v\|_p = (|v_1|^p + |v_2|^p)^{1/p}` (:math:`\max_i |v_i|` for
     :math:`p = \infty`), and for the chosen p the sphere :math:`\|w\|_p = \|v\|_p`

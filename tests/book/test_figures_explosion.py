@@ -1,42 +1,99 @@
 """Chapter 1's computations, checked against torch and the mathematics."""
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradlab_book.demos import backward, tanh_chain
+from gradlab_book.demos import backward
 from gradlab_book.figures import explosion as E
 
 DEPTHS = (1, 5, 10, 20, 40)
 SCALES = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 
 
+def _weights(depth, scale, width=32, seed=0):
+    """The chain's weights drawn here, independently: float64 N(0, scale^2 / width)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(width, width, generator=g, dtype=torch.float64) * (scale / math.sqrt(width))
+        for _ in range(depth)
+    ]
+
+
 def _chain_inputs(width=32, batch=64, seed=0):
     g = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    draw = [torch.randn(batch, width, generator=g, dtype=torch.float64) for _ in range(2)]
+    return draw[0], draw[1]
+
+
+def test_chain_model_is_float64_with_the_stated_weights():
+    model = E.chain_model(3, 1.5)
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    for layer, weight in zip(linears, _weights(3, 1.5), strict=True):
+        assert layer.weight.dtype == torch.float64
+        assert torch.equal(layer.weight, weight)
+        assert torch.equal(layer.bias, torch.zeros(32, dtype=torch.float64))
+    x, y = E.chain_inputs()
+    ex, ey = _chain_inputs()
+    assert torch.equal(x, ex) and torch.equal(y, ey)
 
 
 @pytest.mark.parametrize("depth", [1, 7])
 def test_chain_weight_gradients_match_plain_backward(depth):
     data = E.chain_gradients(depth, 1.5)
-    model = tanh_chain(depth, 32, 1.5, seed=0)
-    x, y = _chain_inputs()
-    loss = backward(model, x, y)
-    norms = [m.weight.grad.norm().item() for m in model if isinstance(m, torch.nn.Linear)]
-    np.testing.assert_allclose(data.weight_grad_norms, norms, rtol=1e-4)
-    assert data.loss == pytest.approx(loss, rel=1e-5)
+    h, (x, y) = None, _chain_inputs()
+    weights = [w.requires_grad_() for w in _weights(depth, 1.5)]
+    h = x
+    for w in weights:
+        h = torch.tanh(h @ w.T)
+    loss = torch.nn.functional.mse_loss(h, y)
+    loss.backward()
+    np.testing.assert_allclose(data.weight_grad_norms, [w.grad.norm().item() for w in weights])
+    assert data.loss == pytest.approx(loss.item(), rel=1e-12)
 
 
 def test_chain_signal_at_input_matches_autograd():
     data = E.chain_gradients(6, 2.0)
-    model = tanh_chain(6, 32, 2.0, seed=0)
+    model = E.chain_model(6, 2.0)
     x, y = _chain_inputs()
     x.requires_grad_(True)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    assert data.signal_norms[0] == pytest.approx(x.grad.norm().item(), rel=1e-4)
+    backward(model, x, y)
+    assert data.signal_norms[0] == pytest.approx(x.grad.norm().item(), rel=1e-12)
+
+
+_NUMBERS = (
+    "from gradlab_book.figures import explosion as E; import torch, json; "
+    "torch.set_num_threads(1); "
+    "print(json.dumps([list(E.chain_gradients(30, 4.0).signal_norms), "
+    "list(E.rnn_state_gradients(50, 3.0).state_grad_norms), "
+    "list(E.lstm_state_gradients(50, 3.0).state_grad_norms)]))"
+)
+
+
+def test_the_exploding_numbers_do_not_depend_on_the_cpus_kernels():
+    # torch's float32 randn takes a vectorised path whose last bits depend on the CPU;
+    # at scale 4 a chain multiplies that by its growth: with float32 draws, ||delta_0||
+    # moved by 25% under ATEN_CPU_CAPABILITY=default. Float64 draws keep it to rounding.
+    import json
+
+    runs = []
+    for env in ({}, {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}):
+        out = subprocess.run(
+            [sys.executable, "-c", _NUMBERS],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs.append(json.loads(out.stdout))
+    for native, other in zip(*runs, strict=True):
+        np.testing.assert_allclose(native, other, rtol=1e-6)
 
 
 @pytest.mark.parametrize("scale", [SCALES[0], SCALES[-1]])
@@ -48,10 +105,9 @@ def test_chain_extremes_bound_and_prediction(depth, scale):
     # The spectral-norm bound holds at every layer.
     assert np.all(data.signal_norms <= data.bound * (1 + 1e-5))
     # The spectral norm is the largest singular value.
-    model = tanh_chain(depth, 32, scale, seed=0)
-    first = next(m for m in model if isinstance(m, torch.nn.Linear))
+    first = _weights(depth, scale)[0]
     assert data.weight_spectral[0] == pytest.approx(
-        torch.linalg.svdvals(first.weight)[0].item(), rel=1e-5
+        torch.linalg.svdvals(first)[0].item(), rel=1e-12
     )
     if depth >= 20:
         # The forward-pass prediction tracks the measured growth within 5%.
@@ -74,13 +130,13 @@ def test_chain_with_zero_weights_is_all_zero_but_safe():
 
 
 def test_layer_jacobians_multiply_to_the_chain_jacobian():
-    model = tanh_chain(4, 8, 1.5, seed=3)
-    x = torch.randn(8, generator=torch.Generator().manual_seed(0))
-    product = torch.eye(8)
+    model = E.chain_model(4, 1.5, width=8, seed=3)
+    x = torch.randn(8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    product = torch.eye(8, dtype=torch.float64)
     for jac in E.layer_jacobians(model, x):
         product = jac @ product
     full = torch.autograd.functional.jacobian(model, x)
-    torch.testing.assert_close(product, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(product, full, rtol=1e-12, atol=1e-14)
     with pytest.raises(ValueError):
         E.layer_jacobians(model, x[None])
 
@@ -190,3 +246,79 @@ def test_rnn_input_scale_changes_only_the_inputs():
     # the same recurrent matrix; weaker inputs saturate fewer units: a faster rate
     assert weak.recurrent_spectral == base.recurrent_spectral
     assert weak.measured_rate > base.measured_rate
+
+
+def test_orthogonal_recurrence_has_every_singular_value_at_the_gain():
+    data = E.rnn_state_gradients(50, 1.0, recurrent="orthogonal")
+    assert data.recurrent_spectral == pytest.approx(1.0, rel=1e-12)
+    # ||W_hh||_2 = 1: the bound forbids any growth, and tanh' < 1 makes it vanish
+    assert np.all(data.state_grad_norms[:-1] <= data.state_grad_norms[-1] * (1 + 1e-9))
+    assert data.measured_rate < 1
+    scaled = E.rnn_state_gradients(10, 2.0, recurrent="orthogonal")
+    assert scaled.recurrent_spectral == pytest.approx(2.0, rel=1e-12)
+    with pytest.raises(ValueError, match="recurrent"):
+        E.rnn_state_gradients(10, 1.0, recurrent="identity")
+
+
+@pytest.mark.parametrize("forget_bias", [0.0, 3.0])
+def test_lstm_is_torchs_lstm(forget_bias):
+    steps, hidden, inputs = 12, 5, 3
+    data = E.lstm_state_gradients(steps, forget_bias, hidden=hidden, inputs=inputs, seed=4)
+    # the same draws, in the same order, into torch.nn.LSTM
+    g = torch.Generator().manual_seed(4)
+    k = 1 / math.sqrt(hidden)
+
+    def uniform(*shape):
+        return (2 * torch.rand(*shape, generator=g, dtype=torch.float64) - 1) * k
+
+    w, u, b = uniform(4 * hidden, inputs), uniform(4 * hidden, hidden), uniform(4 * hidden)
+    b[hidden : 2 * hidden] += forget_bias
+    xs = torch.randn(steps, inputs, generator=g, dtype=torch.float64)
+    lstm = torch.nn.LSTM(inputs, hidden).double()
+    with torch.no_grad():
+        lstm.weight_ih_l0.copy_(w)
+        lstm.weight_hh_l0.copy_(u)
+        lstm.bias_ih_l0.copy_(b)
+        lstm.bias_hh_l0.zero_()
+    h0 = torch.zeros(1, 1, hidden, dtype=torch.float64, requires_grad=True)
+    c0 = torch.zeros(1, 1, hidden, dtype=torch.float64, requires_grad=True)
+    out, _ = lstm(xs[:, None, :], (h0, c0))
+    out[-1].square().mean().backward()
+    at_start = math.sqrt(h0.grad.square().sum().item() + c0.grad.square().sum().item())
+    assert data.state_grad_norms[0] == pytest.approx(at_start, rel=1e-10)
+    assert data.state_grad_norms.shape == (steps + 1,)
+
+
+def test_a_larger_forget_bias_carries_the_signal_further():
+    rates = [E.lstm_state_gradients(50, b).measured_rate for b in (0.0, 1.0, 3.0)]
+    assert rates == sorted(rates) and rates[-1] < 1.0
+    assert E.lstm_state_gradients(20, 3.0).forget_gate_mean > 0.9
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: E.chain_figure(10, math.nan), "weight_scale"),
+        (lambda: E.chain_figure(10, math.inf), "weight_scale"),
+        (lambda: E.chain_figure(10, -1.0), "weight_scale"),
+        (lambda: E.chain_figure(0, 1.0), "depth"),
+        (lambda: E.chain_gradients(5, 1.0, batch=0), "batch"),
+        (lambda: E.rnn_state_gradients(0, 1.0), "steps"),
+        (lambda: E.rnn_state_gradients(5, math.nan), "recurrent_scale"),
+        (lambda: E.lstm_state_gradients(5, math.inf), "forget_bias"),
+    ],
+)
+def test_out_of_range_arguments_are_refused_by_name(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+@pytest.mark.parametrize("depth", [2, 100])
+@pytest.mark.parametrize("scale", [0.0, 1e-3, 16.0])
+def test_chain_figure_just_outside_its_sliders(depth, scale):
+    assert isinstance(E.chain_figure(depth, scale), Figure)
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5, 1e3, 1e10, -5.0])
+def test_outlier_figure_just_outside_its_slider(factor):
+    assert isinstance(E.outlier_figure(factor), Figure)

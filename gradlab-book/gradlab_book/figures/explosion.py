@@ -10,10 +10,19 @@ figures call.
   from the forward pass alone.
 * :func:`layer_jacobians` returns the per-layer Jacobians of one sample, whose product
   is the Jacobian of the whole chain.
-* :func:`rnn_state_gradients` does the same for a vanilla RNN unrolled in time.
+* :func:`rnn_state_gradients` does the same for a vanilla RNN unrolled in time, its
+  recurrent matrix Gaussian or orthogonal; :func:`lstm_state_gradients` for an LSTM,
+  whose cell state is updated through gates: two remedies beyond clipping, measured.
 * :func:`outlier_run` trains a small MLP with SGD and injects one corrupted batch.
 * :func:`quadratic_descent` and :func:`step_profile` check the descent lemma
   :math:`f(\theta - \eta g) \le f(\theta) - \eta\|g\|^2 + \tfrac{L}{2}\eta^2\|g\|^2`.
+
+Every random draw here is made in float64 and every model runs in float64. torch's
+float32 ``randn`` takes a vectorised path for 16 numbers or more whose last bits depend
+on the CPU's instruction set; a chain in the exploding regime multiplies such a
+difference by about its growth rate per layer, so a float32 draw would move the
+printed gradients by tens of percent from one CPU to another. Float64 draws are the
+same on every machine.
 """
 
 from __future__ import annotations
@@ -27,19 +36,23 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from gradlab.clip import get_total_norm
-from gradlab_book.demos import regression_data, small_mlp, tanh_chain
+from gradlab_book.demos import regression_data, small_mlp
 from gradlab_book.plots import CLIP, IGNORE, KEEP, NONE, THRESHOLD, new_figure
 
 __all__ = [
     "ChainGradients",
+    "LSTMGradients",
     "OutlierRun",
     "QuadraticDescent",
     "RNNGradients",
     "StepProfile",
     "chain_figure",
     "chain_gradients",
+    "chain_inputs",
+    "chain_model",
     "geometric_rate",
     "layer_jacobians",
+    "lstm_state_gradients",
     "outlier_figure",
     "outlier_run",
     "quadratic_descent",
@@ -77,6 +90,24 @@ def _geometric_mean(values: np.ndarray) -> float:
     if np.any(values <= 0):
         return 0.0
     return float(np.exp(np.mean(np.log(values))))
+
+
+def _randn(generator: torch.Generator, *shape: int) -> Tensor:
+    """Standard normal float64 numbers, the same on every CPU (see the module's note)."""
+    return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+
+def _check_scale(name: str, value: float) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+    return value
+
+
+def _check_count(name: str, value: int, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
 
 
 def _positive(values: np.ndarray) -> np.ndarray:
@@ -135,6 +166,34 @@ class ChainGradients:
         return _geometric_mean(self.weight_spectral)
 
 
+def chain_model(depth: int, weight_scale: float, width: int = 32, seed: int = 0) -> nn.Sequential:
+    """``depth`` float64 ``Linear``/``Tanh`` layers, weights N(0, weight_scale^2 / width).
+
+    The architecture of :func:`gradlab_book.demos.tanh_chain`, biases zero, with the
+    weights drawn in float64 (one seeded generator, layer after layer), so that every
+    CPU builds the same chain.
+    """
+    depth, width = _check_count("depth", depth), _check_count("width", width)
+    weight_scale = _check_scale("weight_scale", weight_scale)
+    g = torch.Generator().manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        # skip_init: no default initialisation, which would draw from torch's global RNG
+        layer = torch.nn.utils.skip_init(nn.Linear, width, width, dtype=torch.float64)
+        with torch.no_grad():
+            layer.weight.copy_(_randn(g, width, width) * (weight_scale / math.sqrt(width)))
+            layer.bias.zero_()
+        layers += [layer, nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def chain_inputs(width: int = 32, batch: int = 64, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """The seeded standard-normal float64 inputs and targets of :func:`chain_gradients`."""
+    width, batch = _check_count("width", width), _check_count("batch", batch)
+    g = torch.Generator().manual_seed(seed + 1)
+    return _randn(g, batch, width), _randn(g, batch, width)
+
+
 def chain_gradients(
     depth: int,
     weight_scale: float,
@@ -142,19 +201,15 @@ def chain_gradients(
     batch: int = 64,
     seed: int = 0,
 ) -> ChainGradients:
-    r"""Backpropagate an MSE loss through ``tanh_chain(depth, width, weight_scale)``.
+    r"""Backpropagate an MSE loss through ``chain_model(depth, weight_scale, width, seed)``.
 
-    The input and target are standard normal (seeded). The gradients of the
-    weights are those of ``gradlab_book.demos.backward(model, x, y)``, computed in float64
-    so that a signal vanishing like :math:`0.25^{40}` does not underflow to zero; the
-    forward pass is unrolled here only to keep the hidden states :math:`h_l`.
+    The inputs and targets are :func:`chain_inputs`. Everything is float64, so that a
+    signal vanishing like :math:`0.25^{40}` does not underflow to zero and the numbers
+    are the same on every CPU; the forward pass is unrolled here only to keep the
+    hidden states :math:`h_l`.
     """
-    if batch < 1:
-        raise ValueError(f"batch must be at least 1, got {batch}")
-    model = tanh_chain(depth, width, weight_scale, seed=seed).double()
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(batch, width, generator=g).double()
-    y = torch.randn(batch, width, generator=g).double()
+    model = chain_model(depth, weight_scale, width, seed)
+    x, y = chain_inputs(width, batch, seed)
     layers = _linears(model)
     model.zero_grad(set_to_none=True)
     h = x.clone().requires_grad_(True)
@@ -227,6 +282,7 @@ class RNNGradients:
     recurrent_scale: float
     state_grad_norms: np.ndarray
     recurrent_spectral: float
+    recurrent: str = "gaussian"
 
     @property
     def measured_rate(self) -> float:
@@ -243,21 +299,35 @@ def rnn_state_gradients(
     inputs: int = 4,
     seed: int = 0,
     input_scale: float = 1.0,
+    recurrent: str = "gaussian",
 ) -> RNNGradients:
     r"""Unroll :math:`h_t = \tanh(W_{hh} h_{t-1} + W_{xh} x_t)` and backpropagate.
 
-    :math:`W_{hh}` has N(0, recurrent_scale^2 / hidden) entries, the input weights
-    N(0, 1 / inputs), the inputs :math:`x_t` N(0, input_scale^2); the loss is the
-    mean square of :math:`h_T`. The *same* matrix appears in every step's Jacobian,
-    so the signal reaching :math:`h_0` is bounded by :math:`\|W_{hh}\|_2^{T}` times
-    the one at :math:`h_T`. Computed in float64.
+    ``recurrent="gaussian"``: :math:`W_{hh}` has N(0, recurrent_scale^2 / hidden)
+    entries. ``"orthogonal"``: :math:`W_{hh}` is recurrent_scale times the orthogonal
+    factor Q of the QR decomposition of a Gaussian matrix (signs fixed by R's
+    diagonal), so every singular value is recurrent_scale, the initialisation of
+    Saxe et al. (2014) at gain recurrent_scale. The input weights are
+    N(0, 1 / inputs), the inputs :math:`x_t` N(0, input_scale^2); the loss is the mean
+    square of :math:`h_T`. The *same* matrix appears in every step's Jacobian, so the
+    signal reaching :math:`h_0` is bounded by :math:`\|W_{hh}\|_2^{T}` times the one
+    at :math:`h_T`. Float64 throughout (draws included), the same on every CPU.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+    steps, hidden = _check_count("steps", steps), _check_count("hidden", hidden)
+    inputs = _check_count("inputs", inputs)
+    recurrent_scale = _check_scale("recurrent_scale", recurrent_scale)
+    input_scale = _check_scale("input_scale", input_scale)
+    if recurrent not in ("gaussian", "orthogonal"):
+        raise ValueError(f"recurrent must be 'gaussian' or 'orthogonal', got {recurrent!r}")
     g = torch.Generator().manual_seed(seed)
-    w_hh = torch.randn(hidden, hidden, generator=g).double() * recurrent_scale / math.sqrt(hidden)
-    w_xh = torch.randn(hidden, inputs, generator=g).double() / math.sqrt(inputs)
-    xs = torch.randn(steps, inputs, generator=g).double() * input_scale
+    gaussian = _randn(g, hidden, hidden)
+    if recurrent == "gaussian":
+        w_hh = gaussian * (recurrent_scale / math.sqrt(hidden))
+    else:
+        q, r = torch.linalg.qr(gaussian)
+        w_hh = q * torch.sign(torch.diagonal(r)) * recurrent_scale
+    w_xh = _randn(g, hidden, inputs) / math.sqrt(inputs)
+    xs = _randn(g, steps, inputs) * input_scale
     h = torch.zeros(hidden, dtype=torch.float64, requires_grad=True)
     states = [h]
     for t in range(steps):
@@ -269,9 +339,97 @@ def rnn_state_gradients(
     norms = np.array([s.grad.norm().item() for s in states])
     return RNNGradients(
         steps=steps,
-        recurrent_scale=float(recurrent_scale),
+        recurrent_scale=recurrent_scale,
         state_grad_norms=norms,
         recurrent_spectral=float(torch.linalg.matrix_norm(w_hh, 2).item()),
+        recurrent=recurrent,
+    )
+
+
+@dataclass(frozen=True)
+class LSTMGradients:
+    """Backward signal through an LSTM unrolled over ``steps`` steps.
+
+    Attributes:
+        steps, forget_bias: the run.
+        state_grad_norms: for t = 0..steps, the norm of the gradient of the loss with
+            respect to the state :math:`(h_t, c_t)`, both halves together (the loss is
+            on :math:`h_T` only).
+        forget_gate_mean: the mean of the forget gate :math:`f_t` over units and steps.
+    """
+
+    steps: int
+    forget_bias: float
+    state_grad_norms: np.ndarray
+    forget_gate_mean: float
+
+    @property
+    def measured_rate(self) -> float:
+        """Geometric-mean growth per time step of the backward signal."""
+        return geometric_rate(
+            float(self.state_grad_norms[0]), float(self.state_grad_norms[-1]), self.steps
+        )
+
+
+def lstm_state_gradients(
+    steps: int,
+    forget_bias: float = 0.0,
+    hidden: int = 32,
+    inputs: int = 4,
+    seed: int = 0,
+    input_scale: float = 1.0,
+) -> LSTMGradients:
+    r"""Unroll an LSTM (Hochreiter and Schmidhuber, 1997) and backpropagate.
+
+    .. math::
+        (i, f, g, o)_t = (\sigma, \sigma, \tanh, \sigma)(W x_t + U h_{t-1} + b), \quad
+        c_t = f_t \odot c_{t-1} + i_t \odot g_t, \quad h_t = o_t \odot \tanh(c_t),
+
+    the equations of :class:`torch.nn.LSTM`, with its initialisation: every weight
+    and bias uniform in :math:`\pm 1/\sqrt{\text{hidden}}`, plus ``forget_bias`` on
+    the forget gate's bias (a larger bias keeps :math:`f_t` near 1). Along the cell
+    state the backward signal is multiplied by :math:`f_t`, a number in (0, 1), not
+    by a weight matrix. Inputs N(0, input_scale^2), the loss the mean square of
+    :math:`h_T`; float64 throughout, draws included.
+    """
+    steps, hidden = _check_count("steps", steps), _check_count("hidden", hidden)
+    inputs = _check_count("inputs", inputs)
+    input_scale = _check_scale("input_scale", input_scale)
+    forget_bias = float(forget_bias)
+    if not math.isfinite(forget_bias):
+        raise ValueError(f"forget_bias must be a finite number, got {forget_bias!r}")
+    g = torch.Generator().manual_seed(seed)
+    k = 1.0 / math.sqrt(hidden)
+
+    def uniform(*shape: int) -> Tensor:
+        return (2.0 * torch.rand(*shape, generator=g, dtype=torch.float64) - 1.0) * k
+
+    w, u, b = uniform(4 * hidden, inputs), uniform(4 * hidden, hidden), uniform(4 * hidden)
+    b[hidden : 2 * hidden] += forget_bias  # gate order i, f, g, o, as in torch.nn.LSTM
+    xs = _randn(g, steps, inputs) * input_scale
+    h = torch.zeros(hidden, dtype=torch.float64, requires_grad=True)
+    c = torch.zeros(hidden, dtype=torch.float64, requires_grad=True)
+    states, forget = [(h, c)], []
+    for t in range(steps):
+        i_t, f_t, g_t, o_t = (w @ xs[t] + u @ h + b).chunk(4)
+        f_t = torch.sigmoid(f_t)
+        c = f_t * c + torch.sigmoid(i_t) * torch.tanh(g_t)
+        h = torch.sigmoid(o_t) * torch.tanh(c)
+        h.retain_grad()
+        c.retain_grad()
+        states.append((h, c))
+        forget.append(f_t.detach())
+    h.square().mean().backward()
+
+    def grad_norm(t: Tensor) -> float:
+        return 0.0 if t.grad is None else float(t.grad.square().sum())
+
+    norms = np.array([math.sqrt(grad_norm(a) + grad_norm(b)) for a, b in states])
+    return LSTMGradients(
+        steps=steps,
+        forget_bias=forget_bias,
+        state_grad_norms=norms,
+        forget_gate_mean=float(torch.stack(forget).mean()),
     )
 
 
@@ -287,7 +445,7 @@ def chain_figure(depth: int = 20, weight_scale: float = 1.5, width: int = 32) ->
         _positive(data.bound),
         ls="--",
         color=NONE,
-        label=r"bound $\|\delta_D\|\prod_{k>l}\|W_k\|_2$",
+        label=r"bound $\|\delta_D\|\prod_{l'>l}\|W_{l'}\|_2$",
     )
     ax.plot(
         layers,
