@@ -1,25 +1,29 @@
-"""The benchmark harness: what it builds and what its baselines compute (no timings)."""
+"""What the book times: the parameter sets, the reference loops and the floor (no timings),
+and benchmarks/bench_clip.py, which times them on benchmarks/harness.py."""
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from clip_helpers import assert_all_plus_zero, assert_grads_unchanged, math_norm, snapshot
 
 import gradlab
+import gradlab_book.benchmark as benchmark
 from gradlab.sync import HostReadError, no_host_reads
 from gradlab_book.benchmark import (
-    DEFAULT_CASES,
-    Case,
-    benchmark_table,
+    HUGE,
+    IMPLEMENTATIONS,
     floor_norm,
-    format_table,
     loop_ignore_norm_,
     loop_ignore_value_,
     make_parameters,
-    time_call,
-    time_calls,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_make_parameters_sizes_and_seed():
@@ -31,26 +35,15 @@ def test_make_parameters_sizes_and_seed():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(params, again, strict=True))
     other = make_parameters(7, 100, seed=4)
     assert not torch.equal(params[0].grad, other[0].grad)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n_tensors"):
         make_parameters(0, 10)
 
 
-def test_default_cases_are_the_documented_ones():
-    assert [(c.n_tensors, c.n_elements) for c in DEFAULT_CASES] == [
-        (10, 10_000_000),
-        (300, 10_000_000),
-        (3000, 10_000_000),
-        (3000, 300_000),
-    ]
-
-
-def test_time_call_runs_warmup_and_repeats():
-    calls = []
-    seconds = time_call(lambda: calls.append(1), repeats=5, warmup=2)
-    assert len(calls) == 7
-    assert seconds >= 0.0
-    with pytest.raises(ValueError):
-        time_call(lambda: None, repeats=0)
+def test_no_timing_code_is_left_in_the_book():
+    # benchmarks/harness.py is the one harness: the book keeps no clock of its own.
+    names = set(vars(benchmark))
+    assert not names & {"time_call", "time_calls", "benchmark_table", "time"}, names
+    assert "perf_counter" not in Path(benchmark.__file__).read_text()
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
@@ -95,65 +88,63 @@ def test_floor_norm_is_the_norm_of_the_flat_tensor():
     assert float(floor_norm(flat, math.inf)) == float(flat.abs().max())
 
 
-def test_benchmark_table_rows_and_format():
-    rows = benchmark_table([Case("tiny", 4, 64)], repeats=1, warmup=0)
-    (row,) = rows
-    assert row["case"] == "tiny" and row["n_tensors"] == 4 and row["device"] == "cpu"
-    for key in (
-        "get_total_norm",
-        "clip_grad_norm_",
-        "grad_ignore_norm_",
-        "clip_grad_value_",
-        "grad_ignore_value_",
-        "torch_clip_grad_norm_",
-        "torch_clip_grad_value_",
-        "loop_ignore_norm_",
-        "loop_ignore_value_",
-        "floor",
-    ):
-        assert isinstance(row[key], float) and row[key] >= 0.0
-    assert row["grad_ignore_norm_/torch"] == row["grad_ignore_norm_"] / row["torch_clip_grad_norm_"]
-    assert row["get_total_norm/floor"] == row["get_total_norm"] / row["floor"]
-    text = format_table(rows, ["case", "floor"])
-    lines = text.splitlines()
-    assert len(lines) == 3 and lines[0].split() == ["case", "floor"] and "tiny" in lines[2]
-    assert format_table([]) == ""
-
-
-def test_time_calls_interleaves():
-    order = []
-    medians = time_calls(
-        {"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3, warmup=1
-    )
-    assert set(medians) == {"a", "b"} and all(v >= 0.0 for v in medians.values())
-    warmup, rounds = order[:2], order[2:]
-    assert warmup == ["a", "b"]
-    assert len(rounds) == 6
-    assert all(sorted(rounds[i : i + 2]) == ["a", "b"] for i in range(0, 6, 2)), (
-        "every round runs each callable once"
-    )
-
-
-def test_statistic_choice():
-    assert time_call(lambda: None, repeats=3, warmup=0, statistic="min") >= 0.0
-    with pytest.raises(ValueError, match="statistic"):
-        time_call(lambda: None, statistic="mean")
-    with pytest.raises(ValueError, match="statistic"):
-        benchmark_table([Case("tiny", 2, 8)], statistic="mean")
-
-
-def test_time_calls_varies_the_order_between_rounds():
-    order = []
-    calls = {name: (lambda name=name: order.append(name)) for name in "abcde"}
-    time_calls(calls, repeats=6, warmup=0)
-    rounds = ["".join(order[i : i + 5]) for i in range(0, 30, 5)]
-    assert all(sorted(r) == list("abcde") for r in rounds)
-    assert len(set(rounds)) > 1, "no callable always follows the same neighbour"
-
-
 @pytest.mark.parametrize("loop", [loop_ignore_norm_, loop_ignore_value_])
 def test_the_reference_loop_algorithm_syncs(loop):
     # The per-tensor loop of the reference text branches on a tensor in Python.
     params = make_parameters(3, 4, seed=0)
     with pytest.raises(HostReadError), no_host_reads():
         loop(params, 1.0)
+
+
+def test_every_implementation_does_the_work_of_a_healthy_step():
+    # Timed repeats must do the same work: HUGE is above every gradient, so nothing
+    # is clipped or ignored, and each call leaves the gradients as torch's clip would.
+    params = make_parameters(6, 60, seed=7)
+    assert max(float(p.grad.abs().max()) for p in params) * 60 < HUGE
+    before = snapshot(params)
+    for fn in IMPLEMENTATIONS.values():
+        fn(params)
+        assert_grads_unchanged(params, before)
+    assert len(IMPLEMENTATIONS) == 8
+
+
+def test_bench_clip_writes_the_harness_json(tmp_path):
+    out = tmp_path / "clip.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_clip.py"),
+        "--tables",
+        "sweep",
+        "--sizes",
+        "1,3",
+        "--rounds",
+        "2",
+        "--block-ms",
+        "0.2",
+        "--json",
+        str(out),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT / "benchmarks", capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert set(data["tables"]) == {"sweep k=1", "sweep k=3"}
+    rows = data["tables"]["sweep k=3"]
+    names = [r["name"] for r in rows]
+    assert names[:2] == ["floor_norm", "floor_sum"] and names[2:] == list(IMPLEMENTATIONS)
+    floor = rows[0]
+    assert floor["ratio_min"] == 1.0 and floor["ratio_paired"] == 1.0
+    for r in rows:
+        assert 0 < r["min_us"] <= r["median_us"]
+        assert math.isclose(r["ratio_min"], r["min_us"] / floor["min_us"], rel_tol=1e-9)
+    settings = data["settings"]
+    assert settings["clock"].startswith("thread CPU time") and settings["rounds"] == 2
+    assert "CPUs" in settings["machine"] and settings["sweep_elements"] == 1_000_000
+
+
+def test_bench_clip_refuses_bad_options():
+    script = str(ROOT / "benchmarks" / "bench_clip.py")
+    for bad in (["--tables", "nonsense"], ["--sizes", "0"], ["--sizes", "a,b"]):
+        done = subprocess.run(
+            [sys.executable, script, *bad], cwd=ROOT / "benchmarks", capture_output=True, text=True
+        )
+        assert done.returncode == 2 and "error" in done.stderr, bad
