@@ -27,7 +27,16 @@ and for the tests:
     use alone; and a NaN in rank 1's shard, which torch's inf-norm loses;
 ``guard``
     (only where :class:`gradlab.StepGuard` takes ``process_group=``) the DDP run of
-    ``ddp`` with a guard that skips by loss, local and with the group.
+    ``ddp`` with a guard that skips by loss, local and with the group;
+``parallel``
+    tensor, pipeline and expert parallelism on the same two ranks: which entries each
+    rank counts, the norm with :func:`gradlab.distributed.total_norm` against a float64
+    reference, what counting the copies twice (or not reducing at all) gives, and a
+    NaN in one rank's expert through the inf-norm.
+
+The report's NaN section adds a row for NCCL, computed in the parent process and not
+run (there is no GPU here): NCCL reduces float MAX with CUDA's ``fmaxf``, whose rule for
+a NaN (return the other operand) is the rule of :func:`torch.fmax`.
 
 Everything printed is rounded and seeded, with no port, pid, timing or address, so
 that an executed notebook can compare it cell by cell.
@@ -55,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradlab
-from gradlab.distributed import all_reduce_keep
+from gradlab.distributed import all_reduce_keep, total_norm
 
 __all__ = ["WORLD", "main", "report", "run"]
 
@@ -223,12 +232,6 @@ def scenario_ddp(rank: int) -> dict:
     return {rule: _ddp_run(rank, rule) for rule in ("local", "reduced")}
 
 
-def _waited(t):
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
-
-
 def scenario_fsdp(rank: int) -> dict:
     """FSDP2 on gloo: shard norms, the global norm, a float64 reference, a NaN."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -259,8 +262,8 @@ def scenario_fsdp(rank: int) -> dict:
         key = "inf" if p == math.inf else "2"
         out["local", key] = float(gradlab.get_total_norm([g.to_local() for g in grads], p))
         out["gradlab", key] = float(gradlab.get_total_norm(grads, p))
-        torch_norm = _waited(torch.nn.utils.get_total_norm(grads, p).full_tensor())
-        out["torch", key] = float(torch_norm)
+        # full_tensor() may return an async collective's result; float() waits for it
+        out["torch", key] = float(torch.nn.utils.get_total_norm(grads, p).full_tensor())
         out["reference", key] = float(torch.linalg.vector_norm(ref, p))
     # a NaN in rank 1's shard only
     if rank == 1:
@@ -268,9 +271,7 @@ def scenario_fsdp(rank: int) -> dict:
     for p in (2.0, math.inf):
         key = "inf" if p == math.inf else "2"
         out["nan_gradlab", key] = float(gradlab.get_total_norm(grads, p))
-        out["nan_torch", key] = float(
-            _waited(torch.nn.utils.get_total_norm(grads, p).full_tensor())
-        )
+        out["nan_torch", key] = float(torch.nn.utils.get_total_norm(grads, p).full_tensor())
     return {"|".join(k) if isinstance(k, tuple) else k: v for k, v in out.items()}
 
 
@@ -296,13 +297,111 @@ def scenario_guard(rank: int) -> dict:
     return out
 
 
+def parallel_model(seed: int = 2) -> dict[str, list[torch.Tensor]]:
+    """The whole gradient of the ``parallel`` scenario, the same on every rank.
+
+    ``tp_sharded``: a column-parallel weight (split by rows) and a row-parallel weight
+    (split by columns); ``tp_copies``: a LayerNorm weight and the row-parallel layer's
+    bias, which every TP rank holds whole; ``stages``: the layers of pipeline stage 0
+    and of stage 1; ``dense`` and ``experts``: a router and the attention held by every
+    expert-parallel rank, and one expert per rank.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64).to(torch.float32)
+
+    return {
+        "tp_sharded": [t(6, 4), t(4, 6)],
+        "tp_copies": [t(4), t(4)],
+        "stage0": [t(5, 3), t(5)],
+        "stage1": [t(3, 5) * 2, t(3)],
+        "dense": [t(2, 4), t(4, 4)],
+        "experts": [t(4, 8), t(4, 8) * 3],
+    }
+
+
+def parallel_parts(rank: int) -> dict[str, list[torch.Tensor]]:
+    """What rank ``rank`` holds of :func:`parallel_model` under each layout."""
+    full = parallel_model()
+    col, row = full["tp_sharded"]
+    return {
+        "tp_sharded": [col.chunk(WORLD, 0)[rank].clone(), row.chunk(WORLD, 1)[rank].clone()],
+        "tp_copies": [c.clone() for c in full["tp_copies"]],
+        "stage": [s.clone() for s in full[f"stage{rank}"]],
+        "dense": [d.clone() for d in full["dense"]],
+        "expert": [full["experts"][rank].clone()],
+    }
+
+
+def _reference(tensors: list[torch.Tensor], p: float = 2.0) -> float:
+    return float(torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in tensors]), p))
+
+
+def scenario_parallel(rank: int) -> dict:
+    """TP, PP and EP on the two ranks: the local norms, total_norm, the mistakes."""
+    group = dist.group.WORLD
+    mine, full = parallel_parts(rank), parallel_model()
+    tp_all = mine["tp_sharded"] + mine["tp_copies"]
+    out: dict = {
+        "tp": {
+            "alone": float(gradlab.get_total_norm(tp_all)),
+            "copies_twice": float(gradlab.get_total_norm(tp_all, process_group=group)),
+            "total_norm": float(
+                total_norm([(mine["tp_sharded"], group), (mine["tp_copies"], None)])
+            ),
+            # Megatron-LM's rule: copies counted on TP rank 0 only, one reduction
+            "megatron": float(
+                gradlab.get_total_norm(
+                    mine["tp_sharded"] + (mine["tp_copies"] if rank == 0 else []),
+                    process_group=group,
+                )
+            ),
+            "reference": _reference(full["tp_sharded"] + full["tp_copies"]),
+        },
+        "pp": {
+            "alone": float(gradlab.get_total_norm(mine["stage"])),
+            "total_norm": float(total_norm([(mine["stage"], group)])),
+            "reference": _reference(full["stage0"] + full["stage1"]),
+        },
+        "ep": {
+            "alone": float(gradlab.get_total_norm(mine["dense"] + mine["expert"])),
+            "dense_twice": float(
+                gradlab.get_total_norm(mine["dense"] + mine["expert"], process_group=group)
+            ),
+            "total_norm": float(total_norm([(mine["dense"], None), (mine["expert"], group)])),
+            "reference": _reference(full["dense"] + full["experts"]),
+        },
+    }
+    expert = [e.clone() for e in mine["expert"]]
+    if rank == 1:
+        expert[0].view(-1)[0] = math.nan
+    out["ep"]["nan_inf_norm"] = float(
+        total_norm([(mine["dense"], None), (expert, group)], math.inf)
+    )
+    return out
+
+
 SCENARIOS = {
     "primitives": scenario_primitives,
     "nan_max": scenario_nan_max,
     "ddp": scenario_ddp,
     "fsdp": scenario_fsdp,
     "guard": scenario_guard,
+    "parallel": scenario_parallel,
 }
+
+
+def nccl_max(values: list[float]) -> float:
+    """An all-reduce MAX as NCCL computes it for float, ``fmaxf`` folded over the ranks.
+
+    :func:`torch.fmax` has fmaxf's rule (IEEE 754 maxNum): if one operand is NaN, the
+    other is returned. Emulated here, not run: this machine has no GPU.
+    """
+    out = torch.tensor(values[0], dtype=torch.float32)
+    for v in values[1:]:
+        out = torch.fmax(out, torch.tensor(v, dtype=torch.float32))
+    return float(out)
 
 
 # -------------------------------------------------------------------------- worker
@@ -421,6 +520,10 @@ def summarise(ranks: list[dict]) -> dict:
         },
     }
     s["nan_max"] = {bad: nan[bad] for bad in nan}
+    # NCCL's MAX (fmaxf), emulated: rank `bad` holds NaN, the others 1.0
+    s["nan_max_nccl"] = {
+        bad: nccl_max([math.nan if r == int(bad) else 1.0 for r in range(WORLD)]) for bad in nan
+    }
     s["nan_max_ranks_agree"] = all(
         _bitwise(list(r["nan_max"][b].values()), list(nan[b].values())) for r in ranks for b in nan
     )
@@ -448,6 +551,11 @@ def summarise(ranks: list[dict]) -> dict:
             "nan_gradlab": [f[f"nan_gradlab|{key}"] for f in fsdp],
             "nan_torch": [f[f"nan_torch|{key}"] for f in fsdp],
         }
+    par = [r["parallel"] for r in ranks]
+    s["parallel"] = {
+        layout: {key: [p[layout][key] for p in par] for key in par[0][layout]}
+        for layout in ("tp", "pp", "ep")
+    }
     s["guard"] = {}
     for name in ("local", "group"):
         runs = [g[name] for g in guard]
@@ -487,6 +595,8 @@ def report(s: dict) -> str:
             f"gradlab inf-norm {_n(res['gradlab_inf'])}"
         )
     add(f"every rank got the same results: {s['nan_max_ranks_agree']}")
+    nccl = "; ".join(f"NaN on rank {b}: MAX {_n(v)}" for b, v in s["nan_max_nccl"].items())
+    add(f"NCCL (float MAX is fmaxf; emulated with torch.fmax, not run): {nccl}")
     add("")
     add(f"== 3. DDP, {STEPS} steps; rank 1's loss spikes at step {SPIKE_STEP} ==")
     for rule, d in s["ddp"].items():
@@ -547,6 +657,34 @@ def report(s: dict) -> str:
             f"max |rank 0 - rank 1| {_n(d['max_param_diff'], 3)}; "
             f"bitwise identical: {d['bitwise_identical']}"
         )
+    add("")
+    add("== 6. Tensor, pipeline and expert parallelism: which entries each rank counts ==")
+    par = s["parallel"]
+
+    def pair(values: list[float]) -> str:
+        return ", ".join(_n(v) for v in values)
+
+    def agreed(values: list[float], reference: float) -> str:
+        same = values[0] == values[1] and abs(values[0] - reference) <= 1e-6 * reference
+        return "= the float64 reference, same on both ranks" if same else "WRONG"
+
+    tp, pp, ep = par["tp"], par["pp"], par["ep"]
+    add(
+        f"TP: alone {pair(tp['alone'])}; every tensor summed over the group "
+        f"{_n(tp['copies_twice'][0])} (the copies counted twice); total_norm "
+        f"{_n(tp['total_norm'][0])} {agreed(tp['total_norm'], tp['reference'][0])}; "
+        f"copies on TP rank 0 only (Megatron) {_n(tp['megatron'][0])}"
+    )
+    add(
+        f"PP: each stage alone {pair(pp['alone'])}; total_norm over the stages "
+        f"{_n(pp['total_norm'][0])} {agreed(pp['total_norm'], pp['reference'][0])}"
+    )
+    add(
+        f"EP: alone {pair(ep['alone'])}; everything summed over the group "
+        f"{_n(ep['dense_twice'][0])} (the dense part twice); total_norm "
+        f"{_n(ep['total_norm'][0])} {agreed(ep['total_norm'], ep['reference'][0])}"
+    )
+    add(f"EP, a NaN in rank 1's expert: inf-norm by total_norm {pair(ep['nan_inf_norm'])}")
     return "\n".join(lines)
 
 

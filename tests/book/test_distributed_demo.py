@@ -50,7 +50,7 @@ def _norm64(tensors, p):
 
 def test_report_has_every_section_and_nothing_variable(demo):
     stdout, summary, _ = demo
-    for n in range(1, 6):
+    for n in range(1, 7):
         assert f"== {n}." in stdout
     assert dd.report(summary) == stdout.rstrip("\n")
     for word in ("port", "pid", "127.0.0.1", "localhost", " at 0x", "seconds", "tcp://"):
@@ -202,3 +202,56 @@ def test_guard_section(demo):
     assert group["bitwise_identical"] and group["max_param_diff"] == 0.0
     # the guard's local run is the local-rule run of section 3
     assert local["max_param_diff"] == s["ddp"]["local"]["max_param_diff"]
+
+
+def _flat64(tensors):
+    return torch.cat([t.double().reshape(-1) for t in tensors])
+
+
+@pytest.mark.parametrize("bad", ["0", "1"])
+def test_nccl_row_is_ieee_maxnum(demo, bad):
+    # NCCL reduces float MAX with fmaxf (IEEE 754 maxNum): a NaN operand loses to the
+    # other one, whichever rank holds it; numpy's fmax has the same rule
+    np = pytest.importorskip("numpy")
+    _, s, _ = demo
+    values = [math.nan if r == int(bad) else 1.0 for r in range(dd.WORLD)]
+    want = float(np.fmax.reduce(np.array(values, dtype=np.float32)))
+    assert want == 1.0
+    assert s["nan_max_nccl"][bad] == want
+    assert dd.nccl_max([math.nan, math.nan]) != dd.nccl_max([math.nan, math.nan])  # both NaN
+    assert dd.nccl_max([2.0, math.nan, 3.0]) == 3.0
+
+
+def test_parallel_section_counts_each_entry_once(demo):
+    stdout, s, _ = demo
+    full = dd.parallel_model()
+    par = s["parallel"]
+    world = dd.WORLD
+    tp_whole = _flat64(full["tp_sharded"] + full["tp_copies"])
+    copies = _flat64(full["tp_copies"])
+    want = {
+        "tp": float(tp_whole.norm()),
+        "pp": float(_flat64(full["stage0"] + full["stage1"]).norm()),
+        "ep": float(_flat64(full["dense"] + full["experts"]).norm()),
+    }
+    for layout, ref in want.items():
+        assert par[layout]["reference"] == [pytest.approx(ref, rel=1e-12)] * world
+        assert par[layout]["total_norm"][0] == par[layout]["total_norm"][1]
+        assert par[layout]["total_norm"][0] == pytest.approx(ref, rel=1e-6)
+    # the mistakes: the TP copies counted on both ranks, the EP dense part twice
+    twice = math.sqrt(float(tp_whole.square().sum() + copies.square().sum()))
+    assert par["tp"]["copies_twice"] == [pytest.approx(twice, rel=1e-6)] * world
+    assert par["tp"]["megatron"] == [pytest.approx(want["tp"], rel=1e-6)] * world
+    dense = _flat64(full["dense"])
+    ep_twice = math.sqrt(want["ep"] ** 2 + float(dense.square().sum()))
+    assert par["ep"]["dense_twice"] == [pytest.approx(ep_twice, rel=1e-6)] * world
+    # alone, each rank sees only its part: every local norm is below the whole
+    for layout in ("pp", "ep"):
+        assert max(par[layout]["alone"]) < want[layout]
+    # stage r alone is exactly stage r's layers
+    for r in range(world):
+        stage = float(_flat64(full[f"stage{r}"]).norm())
+        assert par["pp"]["alone"][r] == pytest.approx(stage, rel=1e-6)
+    # a NaN in rank 1's expert: NaN on both ranks through the inf-norm
+    assert all(math.isnan(v) for v in par["ep"]["nan_inf_norm"])
+    assert "WRONG" not in stdout
