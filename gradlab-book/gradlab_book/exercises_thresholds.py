@@ -13,8 +13,11 @@ exercises state; gradlab is not called, so a check also holds gradlab to them.
 * :func:`check_warmup_threshold`: a threshold chosen from the norms of a warm-up window
   alone (no labels saying which steps were bad), robust to NaN and inf in the window.
 * :func:`check_zclip_step`: one step of ZClip after its warm-up (the z-score, the
-  adaptive-scaling threshold and the EMA update with the clipped value), a non-finite
-  norm leaving the state unchanged.
+  adaptive-scaling threshold, the optional cap ``max_norm`` on it at every step and the
+  EMA update with the value clipped at the uncapped threshold), a non-finite norm
+  leaving the state unchanged. The semantics of :class:`gradlab.adaptive.ZClip` and of
+  the reference implementation (``bluorion-com/ZClip``), which feeds its EMA the
+  adaptive ``clip_val``, before ``max_grad_norm`` is merged in.
 """
 
 from __future__ import annotations
@@ -356,41 +359,57 @@ def _zclip64(
     alpha: float,
     z_thresh: float,
     eps: float,
+    max_norm: float | None = None,
     *,
     adaptive: bool = True,
     always_finite: bool = False,
     feed_raw: bool = False,
+    feed_boundary: bool = False,
+    feed_capped: bool = False,
+    cap_spikes_only: bool = False,
+    no_cap: bool = False,
     old_mean: bool = False,
     std_is_var: bool = False,
+    eps_in_root: bool = False,
     no_eps: bool = False,
     swapped: bool = False,
     update_nonfinite: bool = False,
     nan_threshold: bool = False,
+    inf_meets_inf: bool = False,
+    ema_first: bool = False,
 ) -> tuple[float, float, float]:
     """One ZClip step in float64: ``(tau, new_mean, new_var)``. The keywords turn on
     one typical mistake each (the defaults give the right answer)."""
-    std = var if std_is_var else math.sqrt(var)
-    denominator = std if no_eps else std + eps
+    if ema_first and math.isfinite(x):  # the statistics updated with x before the threshold
+        mean_after = alpha * mean + (1 - alpha) * x
+        var = alpha * var + (1 - alpha) * (x - mean_after) ** 2
+        mean = mean_after
+    std = var if std_is_var else math.sqrt(var + eps) if eps_in_root else math.sqrt(var)
+    denominator = std if no_eps or eps_in_root else std + eps
     z = (x - mean) / denominator if denominator > 0 else math.copysign(_INF, x - mean)
     if math.isnan(x):
         z = _NAN
     spike = (not z <= z_thresh) if nan_threshold else z > z_thresh
     if always_finite:
         tau = mean + z_thresh * std
-    elif not spike:
+    elif not spike or (inf_meets_inf and math.isinf(x)):
         tau = _INF
     elif adaptive:
         tau = mean + z_thresh**2 * std / z
     else:
         tau = mean + z_thresh * std
-    if not math.isfinite(x) and not update_nonfinite:
-        return tau, mean, var
-    fed = x if feed_raw else min(x, tau)
+    capped = tau
+    if max_norm is not None and not no_cap and (spike or not cap_spikes_only):
+        capped = min(tau, max_norm)
+    if ema_first or (not math.isfinite(x) and not update_nonfinite):
+        return capped, mean, var
+    bound = mean + z_thresh * std if feed_boundary else capped if feed_capped else tau
+    fed = x if feed_raw else min(x, bound)
     keep, new = (1 - alpha, alpha) if swapped else (alpha, 1 - alpha)
     new_mean = keep * mean + new * fed
     centre = mean if old_mean else new_mean
     new_var = keep * var + new * (fed - centre) ** 2
-    return tau, new_mean, new_var
+    return capped, new_mean, new_var
 
 
 _ZCLIP_MISTAKES: tuple[tuple[dict[str, bool], str], ...] = (
@@ -405,6 +424,16 @@ _ZCLIP_MISTAKES: tuple[tuple[dict[str, bool], str], ...] = (
         "them as they were (one such norm would otherwise poison the EMA for good).",
     ),
     (
+        {"inf_meets_inf": True},
+        "An infinite norm has z = inf > z_thresh, so its threshold is mean + "
+        "z_thresh**2 * std / inf = mean: a finite number, not inf.",
+    ),
+    (
+        {"ema_first": True},
+        "The threshold is computed from the statistics *before* this step; fold x into "
+        "the mean and the variance only afterwards.",
+    ),
+    (
         {"adaptive": False},
         "Adaptive scaling: a spike's threshold is mean + z_thresh**2 * std / z, not "
         "mean + z_thresh * std.",
@@ -412,6 +441,27 @@ _ZCLIP_MISTAKES: tuple[tuple[dict[str, bool], str], ...] = (
     (
         {"always_finite": True},
         "Below the z threshold there is no clipping: tau is inf when z <= z_thresh.",
+    ),
+    (
+        {"cap_spikes_only": True},
+        "max_norm caps the threshold at every step, not only on spikes: with z <= z_thresh "
+        "the threshold is min(inf, max_norm) = max_norm.",
+    ),
+    (
+        {"no_cap": True},
+        "max_norm caps the threshold at every step: tau = min(tau, max_norm), also when "
+        "z <= z_thresh (then tau = max_norm).",
+    ),
+    (
+        {"feed_capped": True},
+        "The EMA takes x clipped at the adaptive threshold *before* the cap, "
+        "min(x, mean + z_thresh**2 * std / z), as the reference feeds back its clip_val: "
+        "max_norm limits the step, not the statistics.",
+    ),
+    (
+        {"feed_boundary": True},
+        "The value fed back is min(x, tau) with tau the adaptive threshold "
+        "mean + z_thresh**2 * std / z, not min(x, mean + z_thresh * std).",
     ),
     (
         {"feed_raw": True},
@@ -425,6 +475,11 @@ _ZCLIP_MISTAKES: tuple[tuple[dict[str, bool], str], ...] = (
     (
         {"std_is_var": True},
         "sigma is the square root of the variance: std = sqrt(var).",
+    ),
+    (
+        {"eps_in_root": True},
+        "eps is added to the standard deviation, outside the root: "
+        "z = (x - mean) / (sqrt(var) + eps), not (x - mean) / sqrt(var + eps).",
     ),
     ({"no_eps": True}, "The z-score's denominator is std + eps, not std."),
     (
@@ -443,8 +498,9 @@ class _ZCase:
     alpha: float = 0.97
     z_thresh: float = 2.5
     eps: float = 1e-6
+    max_norm: float | None = None
     tensors: bool = False  # x, mean and var as 0-dim float64 tensors
-    defaults: bool = False  # called without alpha, z_thresh and eps
+    defaults: bool = False  # called without alpha, z_thresh, eps and max_norm
 
 
 def _zclip_cases() -> list[_ZCase]:
@@ -459,15 +515,34 @@ def _zclip_cases() -> list[_ZCase]:
             "a spike, x, mean and var as 0-dim float64 tensors", 0.9, 0.12, 0.0009, tensors=True
         ),
         _ZCase("a tiny spread, std 1e-4: eps matters", 0.1012, 0.1, 1e-8),
+        _ZCase("a tiny spread, std 1e-3, a spike: eps outside the root", 0.13, 0.1, 1e-6),
         _ZCase("alpha=0.9, z_thresh=3, a spike of z about 20", 42.0, 2.0, 4.0, 0.9, 3.0),
         _ZCase("alpha=0.5, an ordinary norm", 1.1, 1.0, 0.04, 0.5, 2.0),
+        _ZCase(
+            "max_norm=4 below the spike's adaptive threshold 5.625: the cap sets tau",
+            15.0,
+            5.0,
+            1.0,
+            max_norm=4.0,
+        ),
+        _ZCase(
+            "max_norm=1 (the reference's default) on an ordinary norm of 5.5: capped at 1",
+            5.5,
+            5.0,
+            1.0,
+            max_norm=1.0,
+        ),
+        _ZCase(
+            "max_norm=100 above the adaptive threshold: no effect", 15.0, 5.0, 1.0, max_norm=100
+        ),
         _ZCase("x is NaN: the state must not change", _NAN, 5.0, 1.0),
         _ZCase("x is +inf: the state must not change", _INF, 5.0, 1.0),
         _ZCase("x is NaN, given as 0-dim float64 tensors", _NAN, 0.3, 0.01, tensors=True),
+        _ZCase("x is NaN with max_norm=2: tau is the cap", _NAN, 5.0, 1.0, max_norm=2.0),
     ]
 
 
-def _zclip_args(case: _ZCase) -> tuple[tuple[Any, ...], dict[str, float], str]:
+def _zclip_args(case: _ZCase) -> tuple[tuple[Any, ...], dict[str, Any], str]:
     values = (case.x, case.mean, case.var)
     if case.tensors:
         args: tuple[Any, ...] = tuple(torch.tensor(v, dtype=torch.float64) for v in values)
@@ -476,24 +551,29 @@ def _zclip_args(case: _ZCase) -> tuple[tuple[Any, ...], dict[str, float], str]:
         args, shown = values, ", ".join(num(v) for v in values)
     if case.defaults:
         return args, {}, f"fn({shown})"
-    kwargs = {"alpha": case.alpha, "z_thresh": case.z_thresh, "eps": case.eps}
+    kwargs: dict[str, Any] = {"alpha": case.alpha, "z_thresh": case.z_thresh, "eps": case.eps}
+    if case.max_norm is not None:
+        kwargs["max_norm"] = case.max_norm
     more = ", ".join(f"{k}={num(v)}" for k, v in kwargs.items())
     return args, kwargs, f"fn({shown}, {more})"
 
 
 def check_zclip_step(fn: Callable) -> bool:
-    """Check ``fn(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6)``: one ZClip step
-    after the warm-up, returning ``(tau, new_mean, new_var)``.
+    """Check ``fn(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None)``: one
+    ZClip step after the warm-up, returning ``(tau, new_mean, new_var)``.
 
-    With ``std = sqrt(var)`` and ``z = (x - mean) / (std + eps)``, the threshold is
-    ``mean + z_thresh**2 * std / z`` where ``z > z_thresh`` and ``inf`` otherwise (a
-    NaN z is not above, so a NaN norm meets ``inf``; an infinite norm meets ``mean``).
-    For a finite ``x``, with ``x_hat = min(x, tau)``, ``new_mean = alpha * mean +
-    (1 - alpha) * x_hat`` and ``new_var = alpha * var + (1 - alpha) * (x_hat -
-    new_mean)**2`` (the *new* mean); for a NaN or infinite ``x`` the mean and variance
-    come back unchanged. ``x``, ``mean`` and ``var`` are Python floats or 0-dim
-    float64 tensors; each result may be a number or a one-element tensor, and must
-    match the float64 reference within a relative 1e-9. The defaults are checked once.
+    With ``std = sqrt(var)`` and ``z = (x - mean) / (std + eps)``, the adaptive threshold
+    is ``t = mean + z_thresh**2 * std / z`` where ``z > z_thresh`` and ``inf`` otherwise
+    (a NaN z is not above, so a NaN norm meets ``inf``; an infinite norm meets ``mean``).
+    The threshold returned is ``tau = min(t, max_norm)`` at every step when ``max_norm``
+    is given, ``t`` otherwise. For a finite ``x``, with ``x_hat = min(x, t)`` (the
+    *uncapped* threshold, as in :class:`gradlab.adaptive.ZClip` and the reference, which
+    feeds back its ``clip_val``), ``new_mean = alpha * mean + (1 - alpha) * x_hat`` and
+    ``new_var = alpha * var + (1 - alpha) * (x_hat - new_mean)**2`` (the *new* mean); for
+    a NaN or infinite ``x`` the mean and variance come back unchanged. ``x``, ``mean`` and
+    ``var`` are Python floats or 0-dim float64 tensors; each result may be a number or a
+    one-element tensor, and must match the float64 reference within a relative 1e-9.
+    The defaults are checked once.
     """
     if not callable(fn):
         say([f"Expected a function, got {value_text(fn)}."])
@@ -502,10 +582,16 @@ def check_zclip_step(fn: Callable) -> bool:
     for index, case in enumerate(cases, start=1):
         args, kwargs, call_text = _zclip_args(case)
         header = [f"Case {index} of {len(cases)} fails: {case.title}.", f"  call:     {call_text}"]
-        ok, result, _ = answer(fn, call_text, header, [], *args, watch_host=False, **kwargs)
+        hint = []
+        if "max_norm" in kwargs:
+            hint = [
+                "  Hint: the function takes max_norm=None, a cap on the threshold at every "
+                "step (ZClip's max_norm)."
+            ]
+        ok, result, _ = answer(fn, call_text, header, hint, *args, watch_host=False, **kwargs)
         if not ok:
             return False
-        settings = (case.alpha, case.z_thresh, case.eps)
+        settings = (case.alpha, case.z_thresh, case.eps, case.max_norm)
         expected = _zclip64(case.x, case.mean, case.var, *settings)
         shown = ", ".join(_n(v) for v in expected)
         if not isinstance(result, tuple | list) or len(result) != 3:

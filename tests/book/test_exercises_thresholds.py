@@ -159,18 +159,19 @@ def test_window_cases_hold_what_they_say():
 # -------------------------------------------------------------------- ZClip step
 
 
-def zclip_math(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
+def zclip_math(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
     std = math.sqrt(var)
     z = (x - mean) / (std + eps)
     tau = mean + z_thresh**2 * std / z if z > z_thresh else math.inf
+    capped = tau if max_norm is None else min(tau, max_norm)
     if not math.isfinite(x):
-        return tau, mean, var
+        return capped, mean, var
     x_hat = min(x, tau)
     new_mean = alpha * mean + (1 - alpha) * x_hat
-    return tau, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+    return capped, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
 
 
-def zclip_torch(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
+def zclip_torch(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
     x, mean, var = (torch.as_tensor(v, dtype=torch.float64) for v in (x, mean, var))
     std = var.sqrt()
     z = (x - mean) / (std + eps)
@@ -180,12 +181,13 @@ def zclip_torch(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
     m = alpha * mean + (1 - alpha) * x_hat
     v = alpha * var + (1 - alpha) * (x_hat - m) ** 2
     ok = torch.isfinite(x)
-    return tau, torch.where(ok, m, mean), torch.where(ok, v, var)
+    capped = tau if max_norm is None else tau.clamp(max=max_norm)
+    return capped, torch.where(ok, m, mean), torch.where(ok, v, var)
 
 
-def zclip_gradlab(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
+def zclip_gradlab(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
     """gradlab's ZClip, its state set to (mean, var) just after a warm-up of one step."""
-    policy = ZClip(alpha, z_thresh, warmup=1, eps=eps, dtype=torch.float64)
+    policy = ZClip(alpha, z_thresh, warmup=1, eps=eps, max_norm=max_norm, dtype=torch.float64)
     state = policy.state_dict()
     state["state"]["mean"] = torch.tensor(float(mean), dtype=torch.float64)
     state["state"]["var"] = torch.tensor(float(var), dtype=torch.float64)
@@ -193,28 +195,88 @@ def zclip_gradlab(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
     policy.load_state_dict(state)
     stat = torch.as_tensor(x, dtype=torch.float64)
     tau = policy.threshold(stat)
-    policy.update(stat, True)
+    policy.update(stat, False)  # a skipped step enters as well: taken is not used
     after = policy.state_dict()["state"]
     return tau, after["mean"], after["var"]
+
+
+N_ZCLIP = len(ex._zclip_cases())
+
+
+def test_zclip_cases_hold_what_they_say():
+    cases = ex._zclip_cases()
+    assert N_ZCLIP == 18
+    capped = [c for c in cases if c.max_norm is not None]
+    assert len(capped) == 4 and any(math.isnan(c.x) for c in capped)
+    assert any(c.tensors for c in cases) and sum(c.defaults for c in cases) == 1
 
 
 @pytest.mark.parametrize("fn", [zclip_math, zclip_torch, zclip_gradlab])
 def test_zclip_step_accepts(fn, capsys):
     assert ex.check_zclip_step(fn) is True
-    assert capsys.readouterr().out == "All 13 cases pass.\n"
+    assert capsys.readouterr().out == f"All {N_ZCLIP} cases pass.\n"
 
 
 def _zclip_mistake(**mistake):
-    def fn(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
-        return ex._zclip64(float(x), float(mean), float(var), alpha, z_thresh, eps, **mistake)
+    def fn(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
+        values = (float(x), float(mean), float(var), alpha, z_thresh, eps, max_norm)
+        return ex._zclip64(*values, **mistake)
 
     return fn
 
 
-def _zclip_le_test(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
+def _zclip_le_test(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
     std = math.sqrt(var)
     z = (x - mean) / (std + eps)
     tau = math.inf if z <= z_thresh else mean + z_thresh**2 * std / z
+    capped = tau if max_norm is None else min(tau, max_norm)
+    if not math.isfinite(x):
+        return capped, mean, var
+    x_hat = min(x, tau)
+    new_mean = alpha * mean + (1 - alpha) * x_hat
+    return capped, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+
+
+# The review's wrong answers (book-review-2026-12-b-parts-IV-V, section 4), written out.
+def _feeds_the_boundary(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
+    tau, _, _ = zclip_math(x, mean, var, alpha, z_thresh, eps, max_norm)
+    if not math.isfinite(x):
+        return tau, mean, var
+    x_hat = min(x, mean + z_thresh * math.sqrt(var))
+    new_mean = alpha * mean + (1 - alpha) * x_hat
+    return tau, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+
+
+def _eps_in_the_root(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
+    std = math.sqrt(var + eps)
+    z = (x - mean) / std
+    tau = mean + z_thresh**2 * std / z if z > z_thresh else math.inf
+    capped = tau if max_norm is None else min(tau, max_norm)
+    if not math.isfinite(x):
+        return capped, mean, var
+    x_hat = min(x, tau)
+    new_mean = alpha * mean + (1 - alpha) * x_hat
+    return capped, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+
+
+def _inf_meets_no_threshold(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
+    if math.isinf(x):
+        return (math.inf if max_norm is None else max_norm), mean, var
+    return zclip_math(x, mean, var, alpha, z_thresh, eps, max_norm)
+
+
+def _ema_before_threshold(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
+    if math.isfinite(x):
+        mean = alpha * mean + (1 - alpha) * x
+        var = alpha * var + (1 - alpha) * (x - mean) ** 2
+    std = math.sqrt(var)
+    z = (x - mean) / (std + eps)
+    tau = mean + z_thresh**2 * std / z if z > z_thresh else math.inf
+    return (tau if max_norm is None else min(tau, max_norm)), mean, var
+
+
+def _feeds_the_capped_threshold(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
+    tau, _, _ = zclip_math(x, mean, var, alpha, z_thresh, eps, max_norm)
     if not math.isfinite(x):
         return tau, mean, var
     x_hat = min(x, tau)
@@ -222,19 +284,23 @@ def _zclip_le_test(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
     return tau, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
 
 
-def _zclip_no_defaults(x, mean, var, alpha, z_thresh, eps):
+def _without_max_norm(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
     return zclip_math(x, mean, var, alpha, z_thresh, eps)
 
 
-def _zclip_only_tau(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
-    return zclip_math(x, mean, var, alpha, z_thresh, eps)[0]
+def _zclip_no_defaults(x, mean, var, alpha, z_thresh, eps, max_norm=None):
+    return zclip_math(x, mean, var, alpha, z_thresh, eps, max_norm)
+
+
+def _zclip_only_tau(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
+    return zclip_math(x, mean, var, alpha, z_thresh, eps, max_norm)[0]
 
 
 @pytest.mark.parametrize(
     "fn, fragments",
     [
-        (_zclip_mistake(adaptive=False), ["Case 2 of 13", "Adaptive scaling"]),
-        (_zclip_mistake(always_finite=True), ["Case 1 of 13", "tau is inf when z <= z_thresh"]),
+        (_zclip_mistake(adaptive=False), ["Case 2 of", "Adaptive scaling"]),
+        (_zclip_mistake(always_finite=True), ["Case 1 of", "tau is inf when z <= z_thresh"]),
         (_zclip_mistake(feed_raw=True), ["wrong:    new_mean, new_var", "clipped value"]),
         (_zclip_mistake(old_mean=True), ["wrong:    new_var", "uses the new mean"]),
         (_zclip_mistake(std_is_var=True), ["square root of the variance"]),
@@ -242,6 +308,14 @@ def _zclip_only_tau(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
         (_zclip_mistake(swapped=True), ["alpha weights the old statistics"]),
         (_zclip_mistake(update_nonfinite=True), ["x is NaN", "unchanged"]),
         (_zclip_le_test, ["x is NaN", "wrong:    tau", "not `not z <= z_thresh`"]),
+        (_feeds_the_boundary, ["Case 2 of", "not min(x, mean + z_thresh * std)"]),
+        (_eps_in_the_root, ["eps is added to the standard deviation, outside the root"]),
+        (_inf_meets_no_threshold, ["x is +inf", "a finite number, not inf"]),
+        (_ema_before_threshold, ["Case 2 of", "*before* this step"]),
+        (_feeds_the_capped_threshold, ["max_norm=4", "*before* the cap"]),
+        (_zclip_mistake(no_cap=True), ["max_norm=4", "caps the threshold at every step"]),
+        (_zclip_mistake(cap_spikes_only=True), ["max_norm=1", "not only on spikes"]),
+        (_without_max_norm, ["max_norm=4", "raised TypeError", "takes max_norm=None"]),
         (_zclip_no_defaults, ["called with the defaults", "raised TypeError"]),
         (_zclip_only_tau, ["Return the three values as a tuple"]),
     ],
@@ -270,6 +344,11 @@ def test_zclip_reference_by_hand():
     assert var == pytest.approx(0.97 + 0.03 * (tau - mean) ** 2, rel=1e-15)
     assert ex._zclip64(math.nan, 5.0, 1.0, 0.97, 2.5, 1e-6) == (math.inf, 5.0, 1.0)
     assert ex._zclip64(math.inf, 5.0, 1.0, 0.97, 2.5, 1e-6) == (5.0, 5.0, 1.0)
+    # max_norm caps the threshold; the EMA takes x clipped at the uncapped one
+    tau, mean, _ = ex._zclip64(15.0, 5.0, 1.0, 0.97, 2.5, 1e-6, 4.0)
+    assert tau == 4.0 and mean == pytest.approx(0.97 * 5.0 + 0.03 * (5.0 + 6.25 / z))
+    tau, mean, _ = ex._zclip64(5.5, 5.0, 1.0, 0.97, 2.5, 1e-6, 1.0)
+    assert tau == 1.0 and mean == pytest.approx(0.97 * 5.0 + 0.03 * 5.5, rel=1e-15)
 
 
 def test_output_is_deterministic(capsys):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -148,12 +149,20 @@ def tanh_trace(
 
 
 def record_traces(steps: int | None = None) -> dict[str, Any]:
-    """Both traces (``steps`` overrides their length: a prefix, for the test)."""
+    """Both traces (``steps`` overrides their length: a prefix, for the test), with the
+    numeric platform (:func:`gradlab_book.stored.platform`).
+
+    The tanh run is chaotic: a difference in the last bit of its first gradient (another
+    CPU's float kernels) grows about tenfold a step, so on another machine its trace
+    differs from the stored one by 1e-4 after three steps and entirely after ten. The
+    chapters replay the stored traces, which are the same data on every machine; the
+    stored file was recorded before data files carried a platform (it has none)."""
     mlp = dict(MLP_RUN, **({} if steps is None else {"steps": steps}))
     tanh = dict(TANH_RUN, **({} if steps is None else {"steps": steps}))
     return {
         "description": "total gradient norms of two uncontrolled runs; written by "
         "experiments/record_norm_traces.py",
+        "platform": stored.platform(),
         "settings": {"mlp": mlp, "tanh": tanh},
         "mlp": mlp_trace(**mlp),
         "tanh": tanh_trace(**tanh),
@@ -225,17 +234,26 @@ def zclip_boundary(policy: ZClip) -> float:
 
 
 #: How each kind of policy is built from its explorable's parameters, and its mode.
+#: AutoClip's ``window="all"`` is the paper's whole history (``window=None``); SigmaSkip
+#: starts at OLMo-core's count (its default ``min_count``) and takes ``steps``.
 POLICIES: dict[str, tuple[Callable[..., Any], str]] = {
     "autoclip": (
-        lambda quantile, window: AutoClip(quantile, window, dtype=torch.float64),
+        lambda percentile, window: AutoClip(
+            percentile=percentile, window=_window(window), dtype=torch.float64
+        ),
         "clip",
     ),
     "zclip": (lambda alpha, z_thresh: ZClip(alpha, z_thresh, dtype=torch.float64), "clip"),
     "sigma": (
-        lambda k, window: SigmaSkip(k, window, window // 2, dtype=torch.float64),
+        lambda k, window, steps="all": SigmaSkip(k, window, steps=steps, dtype=torch.float64),
         "skip",
     ),
 }
+
+
+def _window(window: int | str | None) -> int | None:
+    """AutoClip's window from an explorable's value: ``"all"`` (or None) is the whole history."""
+    return None if window in ("all", None) else int(window)
 
 
 def policy_grid(
@@ -243,16 +261,30 @@ def policy_grid(
 ) -> dict[tuple, dict[str, dict[str, np.ndarray]]]:
     """:func:`replay` of policy ``kind`` over every trace, at every combination of
     ``values`` (keyword: the grid of one parameter, in the order of the key tuples)."""
-    make, mode = POLICIES[kind]
+    if kind not in POLICIES:
+        raise ValueError(f"kind must be one of {sorted(POLICIES)}, got {kind!r}")
     names = list(values)
-    grid = {}
-    for combo in itertools.product(*values.values()):
-        params = dict(zip(names, combo, strict=True))
-        edge = zclip_boundary if kind == "zclip" else None
-        grid[combo] = {
-            name: replay(make(**params), traces[name]["norms"], mode, edge) for name in TRACES
-        }
-    return grid
+    return {
+        combo: _replay_all(kind, traces, dict(zip(names, combo, strict=True)))
+        for combo in itertools.product(*values.values())
+    }
+
+
+def _replay_all(kind: str, traces: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    make, mode = POLICIES[kind]
+    edge = zclip_boundary if kind == "zclip" else None
+    return {name: replay(make(**params), traces[name]["norms"], mode, edge) for name in TRACES}
+
+
+def _results(
+    kind: str, grid: dict[tuple, Any], traces: dict[str, Any], **params: Any
+) -> dict[str, Any]:
+    """The grid's replays at ``params`` (in the grid's key order), or, for a point the
+    grid does not hold (a value just outside an explorable's slider), replayed now."""
+    key = tuple(params.values())
+    if key in grid:
+        return grid[key]
+    return _replay_all(kind, traces, params)
 
 
 def grid_rows(
@@ -288,97 +320,126 @@ def fixed_threshold_rates(
 
 # -------------------------------------------------------------------------- figures
 
+#: The explorables of Part IV are drawn for a phone: this many inches wide, one panel under
+#: the other, every text at least :data:`TEXT_PT` points, rendered at :data:`FRAME_DPI`.
+#: On a 375-px phone the page gives a figure about 340 px, so a frame of
+#: ``PANEL_WIDTH * FRAME_DPI`` = 360 px is shown at 0.94 of its size and 10-point text is
+#: 11.8 px high (``tests/book/test_figures_adaptive.py`` checks every text of every frame).
+PANEL_WIDTH = 4.0
+FRAME_DPI = 90
+TEXT_PT = 10.0
+
+
+def _style_axes(ax) -> None:
+    ax.tick_params(labelsize=TEXT_PT)
+    ax.xaxis.label.set_size(TEXT_PT)
+    ax.yaxis.label.set_size(TEXT_PT)
+
 
 def _trace_panel(ax, norms: np.ndarray, result: dict[str, np.ndarray], colour: str, verb: str):
+    """One trace: the norms (a grey line), the threshold (dashed) and the steps acted on
+    (crosses; a clipped one with a line down to what it is clipped to)."""
     steps = np.arange(1, len(norms) + 1)
-    ax.plot(steps, norms, color=NONE, lw=0.6, zorder=1)
+    shown = np.where(np.isfinite(norms), norms, np.nan)
+    ax.plot(steps, shown, color=NONE, lw=0.7, zorder=1, label="norm")
     edge = np.where(np.isfinite(result["boundary"]), result["boundary"], np.nan)
     ax.plot(steps, edge, color=THRESHOLD, lw=1.0, ls="--", label="threshold", zorder=2)
-    acted = result["acted"]
-    ax.scatter(steps[~acted], norms[~acted], s=4, color=KEEP, label="kept", zorder=3)
-    ax.scatter(steps[acted], norms[acted], s=14, color=colour, marker="x", label=verb, zorder=4)
+    acted = np.asarray(result["acted"], dtype=bool) & np.isfinite(norms)
+    ax.scatter(steps[acted], norms[acted], s=16, color=colour, marker="x", label=verb, zorder=4)
     if verb == "clipped":  # a line from each clipped norm down to what it is clipped to
-        tau = result["threshold"][acted]
-        ax.vlines(steps[acted], tau, norms[acted], color=colour, lw=0.8, zorder=3)
+        tau = np.asarray(result["threshold"])[acted]
+        low = np.where(np.isfinite(tau), tau, norms[acted])
+        ax.vlines(steps[acted], low, norms[acted], color=colour, lw=0.8, zorder=3)
     ax.set_yscale("log")
-    ax.set_xlabel("step")
+    _style_axes(ax)
 
 
-def _grid_figure(
+def _stacked_figure(
     traces: dict[str, Any], results: dict[str, dict[str, np.ndarray]], mode: str, title: str
 ) -> Figure:
-    fig = new_figure(6.8, 2.9)
-    axes = fig.subplots(1, len(TRACES))
+    """One panel per trace, one under the other, a shared legend at the bottom."""
+    fig = new_figure(PANEL_WIDTH, 2.25 * len(TRACES) + 0.9)
+    axes = fig.subplots(len(TRACES), 1)
     colour, verb = (SKIP, "skipped") if mode == "skip" else (CLIP, "clipped")
     for ax, (name, label) in zip(axes, TRACES.items(), strict=True):
-        norms = traces[name]["norms"]
+        norms = np.asarray(traces[name]["norms"], dtype=float)
         result = results[name]
         _trace_panel(ax, norms, result, colour, verb)
-        share = 100 * result["acted"].mean()
+        acted = np.asarray(result["acted"], dtype=bool)
+        share = 100 * acted.mean() if acted.size else 0.0
         extra = ""
         if "corrupted" in traces[name]:
-            corrupted = traces[name]["corrupted"]
-            caught = int((result["acted"] & corrupted).sum())
-            extra = f", {caught}/{int(corrupted.sum())} corrupted"
-        ax.set_title(f"{label}\n{verb} {share:.0f}%{extra}", fontsize=8)
-    axes[0].set_ylabel("total gradient norm")
-    axes[-1].legend(fontsize=7, loc="upper right", markerscale=1.5)
-    fig.suptitle(title, fontsize=9)
+            corrupted = np.asarray(traces[name]["corrupted"], dtype=bool)
+            extra = f", {int((acted & corrupted).sum())} of {int(corrupted.sum())} corrupted"
+        ax.set_title(f"{label}\n{verb} {share:.0f}%{extra}", fontsize=TEXT_PT)
+        ax.set_ylabel("gradient norm")
+    axes[-1].set_xlabel("step")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=TEXT_PT,
+               markerscale=1.3, handlelength=1.6, columnspacing=1.0)  # fmt: skip
+    fig.suptitle(title, fontsize=TEXT_PT)
     return fig
 
 
-def autoclip_figure(quantile: float, window: int, grid: dict, traces: dict[str, Any]) -> Figure:
-    """AutoClip at ``quantile`` over the last ``window`` accepted norms, clip mode."""
-    return _grid_figure(
-        traces,
-        grid[(quantile, window)],
-        "clip",
-        f"AutoClip: quantile {quantile:g} of the last {window} norms",
-    )
+def autoclip_figure(
+    percentile: float, window: int | str, grid: dict, traces: dict[str, Any]
+) -> Figure:
+    """AutoClip at ``percentile`` of the last ``window`` norms before each step
+    (``window="all"``: of every norm so far, this one included, the paper's rule), clip
+    mode. A point the grid does not hold is replayed now."""
+    results = _results("autoclip", grid, traces, percentile=percentile, window=window)
+    if _window(window) is None:
+        title = f"AutoClip: percentile {percentile:g}\nof all norms so far (the paper)"
+    else:
+        title = f"AutoClip: percentile {percentile:g}\nof the last {window} norms"
+    return _stacked_figure(traces, results, "clip", title)
 
 
 def zclip_figure(alpha: float, z_thresh: float, grid: dict, traces: dict[str, Any]) -> Figure:
     """ZClip with EMA memory ``alpha`` and threshold ``z_thresh``, clip mode; the dashed
-    line is ``x_bar + z_t sigma``, above which a norm is clipped."""
-    return _grid_figure(
-        traces,
-        grid[(alpha, z_thresh)],
-        "clip",
-        f"ZClip: alpha {alpha:g}, z threshold {z_thresh:g} (warm-up 25 steps)",
-    )
+    line is ``x_bar + z_t sigma``, above which a norm is clipped. A point the grid does
+    not hold is replayed now."""
+    results = _results("zclip", grid, traces, alpha=alpha, z_thresh=z_thresh)
+    title = f"ZClip: alpha {alpha:g}, z threshold {z_thresh:g}\n(warm-up 25 steps)"
+    return _stacked_figure(traces, results, "clip", title)
 
 
-def sigma_skip_figure(k: float, window: int, grid: dict, traces: dict[str, Any]) -> Figure:
-    """SigmaSkip at ``k`` standard deviations over ``window`` norms (min_count window//2)."""
-    return _grid_figure(
-        traces,
-        grid[(k, window)],
-        "skip",
-        f"\N{GREEK SMALL LETTER SIGMA}-rule skip: mean + {k:g}·std "
-        f"of the last {window} accepted norms",
+def sigma_skip_figure(
+    k: float, window: int, steps: str, grid: dict, traces: dict[str, Any]
+) -> Figure:
+    """SigmaSkip at ``k`` standard deviations over a window of ``window`` norms, skip
+    mode: every step enters the window (``steps="all"``, OLMo-core's rule) or only the
+    taken ones (``"taken"``). A point the grid does not hold is replayed now."""
+    results = _results("sigma", grid, traces, k=k, window=window, steps=steps)
+    which = "every step" if steps == "all" else "the taken steps"
+    title = (
+        f"\N{GREEK SMALL LETTER SIGMA}-rule skip: mean + {k:g} std of the last\n"
+        f"{window} norms, {which} in the window"
     )
+    return _stacked_figure(traces, results, "skip", title)
 
 
 def stale_threshold_figure(
     traces: dict[str, Any], calibrate: int = 50, percentile: float = 90.0
 ) -> Figure:
-    """Each trace with a fixed threshold set from its first ``calibrate`` steps."""
-    fig = new_figure(6.8, 2.7)
-    axes = fig.subplots(1, len(TRACES))
-    for ax, (name, label) in zip(axes, TRACES.items(), strict=True):
-        norms = traces[name]["norms"]
+    """Each trace with a fixed threshold set from its first ``calibrate`` steps (the
+    guard's rule for a fixed threshold, with the 1e-6)."""
+    results = {}
+    for name in TRACES:
+        norms = np.asarray(traces[name]["norms"], dtype=float)
         tau, _ = fixed_threshold_rates(norms, calibrate, percentile)
         taus = np.full(len(norms), tau)
-        result = {"threshold": taus, "boundary": taus, "acted": ~(tau / (norms + 1e-6) >= 1.0)}
-        _trace_panel(ax, norms, result, CLIP, "over the threshold")
-        ax.axvspan(0, calibrate, color=NONE, alpha=0.12, lw=0)
-        ax.set_title(label, fontsize=8)
-    axes[0].set_ylabel("total gradient norm")
-    axes[-1].legend(fontsize=7, loc="upper right", markerscale=1.5)
-    fig.suptitle(
-        f"fixed threshold: percentile {percentile:g} of the first {calibrate} steps (shaded)",
-        fontsize=9,
+        with np.errstate(invalid="ignore", divide="ignore"):
+            acted = ~(tau / (norms + 1e-6) >= 1.0)
+        results[name] = {"threshold": taus, "boundary": taus, "acted": acted}
+    fig = _stacked_figure(
+        traces,
+        results,
+        "clip",
+        f"fixed threshold: percentile {percentile:g}\nof the first {calibrate} steps (shaded)",
     )
+    for ax in fig.axes:
+        ax.axvspan(0, calibrate, color=NONE, alpha=0.12, lw=0)
     return fig
 
 
@@ -533,37 +594,53 @@ def agc_curves_figure(runs: dict[str, dict[str, Any]], title: str = "") -> Figur
 def agc_figure(
     clip_factor: float, ratios: list[dict[str, Any]], runs: dict[Any, dict[str, Any]]
 ) -> Figure:
-    """Left: every unit's ``‖G_i‖/‖W_i‖`` (head excluded) and the bound ``ρ``; right: the
+    """Top: every unit's ``‖G_i‖/‖W_i‖`` (head excluded) and the bound ``ρ``; bottom: the
     training loss with AGC at ``ρ``, from ``runs`` keyed by ρ, beside ``runs["clip"]``
-    (global clipping) and ``runs["reference"]`` (the unscaled network, clipped globally)."""
-    fig = new_figure(6.8, 3.0)
-    left, right = fig.subplots(1, 2, width_ratios=[1.1, 1])
+    (global clipping) and ``runs["reference"]`` (the unscaled network, clipped globally).
+    Drawn for a phone, as the threshold explorables (:data:`PANEL_WIDTH`). A ``ρ`` with
+    no run in ``runs`` (a value off the slider) draws the bound and says so.
+
+    Raises:
+        ValueError: ``clip_factor`` is not a positive, finite number.
+    """
+    if not (isinstance(clip_factor, numbers.Real) and 0.0 < clip_factor < math.inf):
+        raise ValueError(f"clip_factor must be a positive, finite number, got {clip_factor!r}")
+    fig = new_figure(PANEL_WIDTH, 6.2)
+    top, bottom = fig.subplots(2, 1)
     x0 = 0
     for row in ratios[:-2]:  # the head (last weight and bias) is excluded
-        r = np.asarray(row["ratios"])
+        r = np.asarray(row["ratios"], dtype=float)
         xs = np.arange(x0, x0 + len(r))
         over = r > clip_factor
-        left.scatter(xs[~over], r[~over], s=10, color=KEEP)
-        left.scatter(xs[over], r[over], s=16, color=CLIP, marker="x")
-        left.annotate(row["name"], (x0, r.max()), xytext=(0, 4), textcoords="offset points",
-                      fontsize=6)  # fmt: skip
+        top.scatter(xs[~over], r[~over], s=12, color=KEEP)
+        top.scatter(xs[over], r[over], s=18, color=CLIP, marker="x")
+        top.annotate(row["name"], (x0, np.nanmax(r)), xytext=(0, 4), textcoords="offset points",
+                     fontsize=TEXT_PT)  # fmt: skip
         x0 += len(r) + 2
-    left.axhline(clip_factor, color=THRESHOLD, ls="--", lw=1, label=rf"$\rho$ = {clip_factor:g}")
-    left.set_yscale("log")
-    left.set_ylabel("‖G_i‖ / ‖W_i‖ at step 0")
-    left.set_xticks([])
-    left.set_xlabel("units (rows; biases: one unit each)")
-    left.legend(fontsize=7, loc="center left")
-    for label, run, colour, style in [
-        ("reference: unscaled, global clip", runs["reference"], NONE, ":"),
+    top.axhline(clip_factor, color=THRESHOLD, ls="--", lw=1, label=rf"$\rho$ = {clip_factor:g}")
+    top.set_yscale("log")
+    top.set_ylabel("‖G_i‖ / ‖W_i‖ at step 0")
+    top.set_xticks([])
+    top.set_xlabel("units (rows; a bias is one unit)")
+    top.legend(fontsize=TEXT_PT, loc="center right")
+    _style_axes(top)
+    curves = [
+        ("unscaled, global clip", runs["reference"], NONE, ":"),
         ("scaled, global clip", runs["clip"], CLIP, "-"),
-        (rf"scaled, AGC $\rho$ = {clip_factor:g}", runs[clip_factor], KEEP, "-"),
-    ]:
-        right.plot(_smooth(run["losses"]), style, color=colour, lw=1.4, label=label)
-    right.set_yscale("log")
-    right.set_xlabel("step")
-    right.set_ylabel("training loss (10-step mean)")
-    right.legend(fontsize=6.5, loc="upper right")
-    final = runs[clip_factor]["final"]
-    right.set_title(rf"AGC at $\rho$ = {clip_factor:g}: final loss {final:.3g}", fontsize=8)
+    ]
+    if clip_factor in runs:
+        curves.append((rf"scaled, AGC $\rho$ = {clip_factor:g}", runs[clip_factor], KEEP, "-"))
+        final = runs[clip_factor]["final"]
+        bottom.set_title(rf"AGC at $\rho$ = {clip_factor:g}: final loss {final:.3g}",
+                         fontsize=TEXT_PT)  # fmt: skip
+    else:
+        bottom.set_title(rf"no training run stored at $\rho$ = {clip_factor:g}", fontsize=TEXT_PT)
+    for label, run, colour, style in curves:
+        bottom.plot(_smooth(run["losses"]), style, color=colour, lw=1.4, label=label)
+    bottom.set_yscale("log")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("loss (10-step mean)")
+    fig.legend(*bottom.get_legend_handles_labels(), loc="outside lower center", ncols=1,
+               fontsize=TEXT_PT)  # fmt: skip
+    _style_axes(bottom)
     return fig
