@@ -5,20 +5,35 @@ Jupyter Book 1 (myst-parser and Sphinx). Two roles the chapters used render in S
 only:
 
 * ``{cite:t}`key``` and ``{cite:p}`key1,key2```: mystmd has no bibliography in a
-  notebook and shows the bare key. They become Markdown links to the key,
-  ``[Pascanu et al. (2013)](#pascanu2013difficulty "Pascanu, Mikolov and Bengio. On
-  the difficulty ... 2013.")``: JupyterLab shows the author-year text with the full
-  reference as the link's tooltip; on the site sphinxcontrib-bibtex resolves ``#key``
-  to the bibliography entry (a citation with its tooltip, written "[Pascanu et al.,
-  2013]"), which needs ``:all:`` on the ``{bibliography}`` of ``book/references.md``.
+  notebook and shows the bare key. They become Markdown links with the author-year text
+  and the full reference as the link's title. In a notebook the link points into the
+  notebook itself, at the cell of the cited work: ``[Pascanu et al.
+  (2013)](clip_norm.ipynb#cell-id=pascanu2013difficulty "Pascanu, Mikolov and Bengio.
+  ... 2013.")``; in a Markdown page it is ``(#pascanu2013difficulty "...")``. On the
+  site ``book/_ext/gradlab_book.py`` reads a link from a notebook to itself as the
+  anchor ``#pascanu2013difficulty``, which sphinxcontrib-bibtex resolves to the
+  bibliography entry (a citation with its tooltip, written "[Pascanu et al., 2013]"; it
+  needs ``:all:`` on the ``{bibliography}`` of ``book/references.md``).
 * ``{doc}`/book/x/y```: becomes ``[Title of y](../x/y.ipynb)``, a relative link that
   JupyterLab opens as the other notebook and that Jupyter Book resolves to the page.
 
+Why a notebook does not link to ``#key``: jupyterlab-myst resolves an ``#id`` link
+against the targets of the Markdown cells it has rendered so far, and with JupyterLab's
+default cell windowing the cells far below the one in view are not rendered yet, so
+every such link logged ``No target for internal reference "#key" was found.`` on the
+console (``processNotebookMDAST`` in jupyterlab-myst's ``src/myst.ts``). A link with a
+file part is an ordinary link to mystmd, never looked up; JupyterLab opens it as the
+notebook, already open, and scrolls to the fragment: ``cell-id=<id>`` is JupyterLab's
+fragment for a cell, found whether it is rendered or not. Every other in-page link of a
+notebook, ``[below](#some-label)``, becomes ``(clip_norm.ipynb#some-label)`` for the same
+reason (the site reads it as ``#some-label`` again).
+
 In a notebook the rewrite also keeps two things in step:
 
-* a last markdown cell (id ``references``, tag ``remove-cell``) lists the works the
-  notebook cites, each under a ``(key)=`` target: in JupyterLab a citation link jumps to
-  its entry there (and previews it on hover); the site leaves the cell out;
+* the last markdown cells list the works the notebook cites: a heading cell (id
+  ``references``), then one cell per work whose cell id is its citation key, the target
+  of its citation links in JupyterLab. All carry the tag ``remove-cell``: the site
+  leaves them out;
 * the code cells of a gated solution (between ``{solution-start}`` and
   ``{solution-end}``) get ``jupyter.source_hidden``, so that JupyterLab shows them
   folded until clicked, as sphinx-exercise folds them on the site (cell metadata only).
@@ -26,8 +41,8 @@ In a notebook the rewrite also keeps two things in step:
 Everything else the chapters use renders in both without change: ``:::{exercise}``
 with ``:label:`` (a box), ``:::{solution} label`` with ``:class: dropdown`` (folded
 until clicked), the gated markers, dollar math with the macros of the notation cell
-(``booktools/headers.py``). Fenced code blocks are copied verbatim. The rewrite
-is idempotent: run it again and nothing changes.
+(``booktools/headers.py``). Fenced code blocks and inline code are copied verbatim. The
+rewrite is idempotent: run it again and nothing changes.
 
 Usage (from the repository root)::
 
@@ -35,8 +50,8 @@ Usage (from the repository root)::
     .venv/bin/python -m booktools.myst_compat book/training/costs.ipynb  # some files
     .venv/bin/python -m booktools.myst_compat --check          # report, change nothing
 
-Markdown cells and the ``source_hidden`` flag only (``nbformat``; cell ids, code and
-outputs untouched), so no notebook needs re-executing.
+Markdown cells and the ``source_hidden`` flag only (``nbformat``; the ids, code and
+outputs of the other cells untouched), so no notebook needs re-executing.
 """
 
 from __future__ import annotations
@@ -57,6 +72,11 @@ BIB = BOOK / "references.bib"
 _ROLE = re.compile(r"\{(?P<role>cite:[a-z]+|cite|doc)\}`(?P<body>[^`]+)`")
 _FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 _EXPLICIT = re.compile(r"^(?P<text>.*?)\s*<(?P<target>[^<>]+)>$", re.S)
+_CODE_SPAN = re.compile(r"(`+).*?(?<!`)\1(?!`)")
+# An in-page link of a notebook, in either form: ](#frag or ](this.ipynb#cell-id=frag
+_LOCAL_LINK = re.compile(
+    r"\]\((?P<file>[^\s()#<>]+\.ipynb)?#(?P<cell>cell-id=)?(?P<frag>[A-Za-z][\w-]*)(?=[\s)])"
+)
 
 
 class MystCompatError(Exception):
@@ -133,7 +153,21 @@ def references(bib: Path = BIB) -> dict[str, dict]:
     return out
 
 
-def _cite_links(role: str, body: str, refs: dict[str, dict], where: str) -> str:
+def anchor(source: Path, target: str, *, cell: bool = False) -> str:
+    """The URL of a link to ``target`` in the same document.
+
+    ``#target`` in a Markdown page. In a notebook, the notebook itself with the fragment
+    (``clip_norm.ipynb#target``; ``clip_norm.ipynb#cell-id=target`` for a cell, which
+    JupyterLab finds even when the cell is not rendered): jupyterlab-myst would look a
+    bare ``#target`` up among the cells it has rendered so far and log an error when
+    the cell is further down (see the module's docstring).
+    """
+    if source.suffix != ".ipynb":
+        return f"#{target}"
+    return f"{source.name}#{'cell-id=' if cell else ''}{target}"
+
+
+def _cite_links(role: str, body: str, refs: dict[str, dict], source: Path, where: str) -> str:
     keys = [k.strip() for k in re.split(r"[,;]", body) if k.strip()]
     unknown = [k for k in keys if k not in refs]
     if unknown:
@@ -147,7 +181,7 @@ def _cite_links(role: str, body: str, refs: dict[str, dict], where: str) -> str:
             text = ("(" if n == 0 else "") + text + (")" if n == len(keys) - 1 else "")
         else:
             text = f"{ref['short']} ({ref['year']})"
-        links.append(f'[{text}](#{key} "{ref["full"]}")')
+        links.append(f'[{text}]({anchor(source, key, cell=True)} "{ref["full"]}")')
     return "; ".join(links) if parenthetical else " and ".join(links)
 
 
@@ -192,8 +226,43 @@ def _doc_link(body: str, source: Path, where: str) -> str:
 # ------------------------------------------------------------------- markdown
 
 
+def _local_link(m: re.Match, source: Path, refs: dict[str, dict]) -> str:
+    """An in-page link of a notebook in the form JupyterLab resolves (:func:`anchor`)."""
+    if m["file"] not in (None, source.name):  # a link into another notebook
+        return m[0]
+    if m["cell"] and m["frag"] not in refs:  # a cell id of its own: as it is
+        return f"]({source.name}#cell-id={m['frag']}"
+    return f"]({anchor(source, m['frag'], cell=m['frag'] in refs)}"
+
+
+def _convert_line(line: str, source: Path, refs: dict[str, dict], where: str) -> str:
+    """The roles of one line, and in a notebook its in-page links outside code spans."""
+
+    def role(m: re.Match) -> str:
+        if m["role"] == "doc":
+            return _doc_link(m["body"], source, where)
+        return _cite_links(m["role"], m["body"], refs, source, where)
+
+    line = _ROLE.sub(role, line)  # a role holds backticks: before the code spans
+    if source.suffix != ".ipynb":
+        return line
+    pieces, start = [], 0
+    for code in _CODE_SPAN.finditer(line):
+        pieces += [
+            _LOCAL_LINK.sub(lambda m: _local_link(m, source, refs), line[start : code.start()]),
+            code[0],
+        ]
+        start = code.end()
+    pieces.append(_LOCAL_LINK.sub(lambda m: _local_link(m, source, refs), line[start:]))
+    return "".join(pieces)
+
+
 def convert_markdown(text: str, source: Path, where: str = "") -> str:
-    """``text`` (Markdown of ``source``) with its cite and doc roles rewritten."""
+    """``text`` (Markdown of ``source``) with its cite and doc roles rewritten.
+
+    In a notebook, in-page links (``[text](#target)``) also point at the notebook itself
+    (:func:`anchor`). Code blocks and inline code are left as they are.
+    """
     refs = references()
     out: list[str] = []
     fence: str | None = None
@@ -209,62 +278,71 @@ def convert_markdown(text: str, source: Path, where: str = "") -> str:
             fence = match.group(1)  # a plain code fence (not a directive)
             out.append(line)
             continue
-
-        def replace(m: re.Match) -> str:
-            if m["role"] == "doc":
-                return _doc_link(m["body"], source, where)
-            return _cite_links(m["role"], m["body"], refs, where)
-
-        out.append(_ROLE.sub(replace, line))
+        out.append(_convert_line(line, source, refs, where))
     return "\n".join(out)
 
 
 REFERENCES_ID = "references"
 REFERENCES_HEADING = "## References"
-_LINKED_KEY = re.compile(r"\]\(#(?P<key>[A-Za-z][\w-]*) \"")
+REFERENCES_INTRO = "Works cited in this chapter (the book's References page lists all)."
+# A citation link in a notebook (or the older ](#key "...") form): the key and its title
+_LINKED_KEY = re.compile(r"\]\((?:[^\s()#<>]+\.ipynb)?#(?:cell-id=)?(?P<key>[A-Za-z][\w-]*) \"")
 _GATE = re.compile(r"^[ \t]*(?:`{3,}|:{3,})[ \t]*\{solution-(?P<edge>start|end)\}", re.M)
+_REMOVE = {"tags": ["remove-cell"]}
 
 
-def references_cell_source(keys: list[str]) -> str:
-    """A markdown cell listing the works a notebook cites, each one a MyST target.
+def references_cells(keys: list[str]) -> list:
+    """The markdown cells that list the works a notebook cites, in order of citation.
 
-    It carries the ``remove-cell`` tag: the site leaves it out (myst-nb does not even
-    parse it) and resolves ``#key`` to its bibliography, while in JupyterLab each
-    citation link jumps to (and previews, on hover) the entry here.
+    A heading cell (id ``references``), then one cell per work with the citation key as
+    its cell id, the target of the work's citation links in JupyterLab
+    (``#cell-id=key``). Each carries the ``remove-cell`` tag: the site leaves them out
+    and links a citation to its bibliography entry instead.
     """
     refs = references()
-    lines = [
-        REFERENCES_HEADING,
-        "",
-        "Works cited in this chapter (the book's References page lists all).",
+    cells = [
+        nbformat.v4.new_markdown_cell(
+            f"{REFERENCES_HEADING}\n\n{REFERENCES_INTRO}", metadata=_REMOVE
+        )
     ]
+    cells[0].id = REFERENCES_ID
     for key in keys:
-        lines += ["", f"({key})=", refs[key]["full"]]
-    return "\n".join(lines)
+        cells.append(nbformat.v4.new_markdown_cell(refs[key]["full"], metadata=_REMOVE))
+        cells[-1].id = key
+    return cells
+
+
+def _is_references_cell(cell) -> bool:
+    return cell.cell_type == "markdown" and (
+        cell.get("id") == REFERENCES_ID
+        or (cell.get("id") in references() and "remove-cell" in cell.metadata.get("tags", []))
+    )
 
 
 def _cited_keys(nb) -> list[str]:
     keys: list[str] = []
     for cell in nb.cells:
-        if cell.cell_type == "markdown" and cell.get("id") != REFERENCES_ID:
+        if cell.cell_type == "markdown" and not _is_references_cell(cell):
             keys += [
                 m["key"] for m in _LINKED_KEY.finditer(cell.source) if m["key"] in references()
             ]
     return list(dict.fromkeys(keys))
 
 
-def _sync_references_cell(nb) -> bool:
+def _sync_references_cells(nb, where: str) -> bool:
     keys = _cited_keys(nb)
-    present = [c for c in nb.cells if c.get("id") == REFERENCES_ID]
-    if not keys:
-        nb.cells = [c for c in nb.cells if c.get("id") != REFERENCES_ID]
-        return bool(present)
-    source = references_cell_source(keys)
-    if present and present[0].source == source and nb.cells[-1] is present[0]:
+    kept = [c for c in nb.cells if not _is_references_cell(c)]
+    taken = {c.get("id") for c in kept}.intersection([*keys, REFERENCES_ID])
+    if taken:
+        raise MystCompatError(f"{where}: a cell already has the id {', '.join(sorted(taken))}")
+    wanted = references_cells(keys) if keys else []
+
+    def shape(cells: list) -> list:
+        return [(c.get("id"), c.source, c.metadata.get("tags")) for c in cells]
+
+    if shape(nb.cells) == shape(kept + wanted):
         return False
-    cell = nbformat.v4.new_markdown_cell(source, metadata={"tags": ["remove-cell"]})
-    cell.id = REFERENCES_ID
-    nb.cells = [c for c in nb.cells if c.get("id") != REFERENCES_ID] + [cell]
+    nb.cells = kept + wanted
     return True
 
 
@@ -293,20 +371,21 @@ def _hide_gated_code(nb) -> bool:
 def convert_notebook(path: Path, *, write: bool = True) -> bool:
     """Rewrite the Markdown cells of one notebook; True if anything changed.
 
-    Besides the roles: a last, ``remove-cell`` markdown cell lists the works cited
-    (the targets of the citation links in JupyterLab), and the code cells of gated
-    solutions get ``jupyter.source_hidden`` so that JupyterLab shows them folded.
+    Besides the roles and links: the last, ``remove-cell`` markdown cells list the
+    works cited (:func:`references_cells`, the targets of the citation links in
+    JupyterLab), and the code cells of gated solutions get ``jupyter.source_hidden`` so
+    that JupyterLab shows them folded.
     """
     nb = nbformat.read(path, as_version=4)
     changed = False
     for index, cell in enumerate(nb.cells):
-        if cell.cell_type != "markdown" or cell.get("id") == REFERENCES_ID:
+        if cell.cell_type != "markdown" or _is_references_cell(cell):
             continue
         new = convert_markdown(cell.source, path, f"{path.name} cell {index}")
         if new != cell.source:
             cell.source = new
             changed = True
-    changed |= _sync_references_cell(nb)
+    changed |= _sync_references_cells(nb, path.name)
     changed |= _hide_gated_code(nb)
     if changed and write:
         nbformat.write(nb, path)

@@ -6,7 +6,9 @@
   never show a hand-typed version that has gone stale. The book is built from the
   committed outputs, which nbval re-executes and compares in the tests; the substitution
   ``{{ execution_times }}`` gives how long each notebook took when those outputs were
-  made, read from the timestamps the kernel left in its cells.
+  made, read from the timestamps the kernel left in its cells. ``{{ recorded_platform }}``
+  names the machine that recorded the experiments' data: the ``"platform"`` entry
+  (``gradlab_book.stored.platform()``) each seeded experiment stores in its data file.
 * Sphinx 7.4 writes an inline script twice when an extension adds it after the builder
   has started (sphinx-doc/sphinx#13402, fixed in Sphinx 8.2, which Jupyter Book 1 cannot
   use). sphinx-thebe adds ``const THEBE_JS_URL = ...`` that way, so every page threw
@@ -23,6 +25,12 @@
   titles), and docutils marks bibliography entries ``role="doc-biblioentry"`` (deprecated)
   inside a ``role="list"`` that then has no list items. The components are patched as they
   are loaded (``_COMPONENT_PATCHES``) and the role is replaced in each page's body.
+* A notebook's in-page links point at the notebook itself (``clip_norm.ipynb#label``,
+  ``clip_norm.ipynb#cell-id=key`` for a citation: ``booktools/myst_compat.py`` writes them
+  so for JupyterLab). ``_SelfLinks`` turns each back, as the page is read, into the
+  anchor ``#label`` / ``#key`` that ``[text](#key)`` gives, before MyST resolves anchors:
+  the page then links and cites exactly as with the plain anchor (sphinxcontrib-bibtex
+  resolves a citation key), in HTML and in the PDF.
 * Figures of notebook outputs come through MyST-NB with their file name as ``alt``. Each
   one drawn by a figure function of ``gradlab_book`` (the last expression of its cell)
   gets that function's docstring, which says what the figure shows.
@@ -39,6 +47,10 @@ from datetime import datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from docutils import nodes
+from docutils.transforms import Transform
+from sphinx import addnodes
+
 # (distribution name, what it does for the book)
 TOOLS = (
     ("torch", "runs every gradient on the pages"),
@@ -54,6 +66,11 @@ TOOLS = (
     ("sphinx-exercise", "exercises and solutions"),
     ("nbval", "re-runs every notebook in the tests"),
 )
+
+
+# The committed data of the book, from the repository root (the build's source folder).
+# A path, not an import: Sphinx loads this module under the name ``gradlab_book``.
+DATA = Path("gradlab-book") / "gradlab_book" / "data"
 
 
 def _version(dist: str) -> str:
@@ -97,6 +114,63 @@ def execution_table(srcdir: Path, docnames: list[str]) -> str:
     return "\n".join(rows)
 
 
+# platform() entries, in the order of the status page, and their names there
+PLATFORM_FIELDS = (
+    ("cpu", "CPU"),
+    ("capability", "ATen CPU capability (torch's kernels)"),
+    ("torch", "torch"),
+    ("torch_blas", "torch's BLAS"),
+    ("numpy", "numpy"),
+    ("numpy_blas", "numpy's BLAS"),
+    ("aten_cpu_capability", "ATEN_CPU_CAPABILITY"),
+    ("mkl_cbwr", "MKL_CBWR"),
+    ("openblas_coretype", "OPENBLAS_CORETYPE"),
+)
+
+
+def recorded_platforms(data: Path) -> list[tuple[dict, list[str]]]:
+    """Each platform the committed data files were recorded on, with those files.
+
+    A data file is a JSON object; a seeded experiment stores ``stored.platform()`` under
+    its top-level ``"platform"``. Files without one (benchmarks' timings, hand-made
+    tables) are left out. Distinct platforms come in order of their first file.
+    """
+    found: list[tuple[dict, list[str]]] = []
+    for path in sorted(data.glob("*.json")):
+        try:
+            content = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        recorded = content.get("platform") if isinstance(content, dict) else None
+        if not isinstance(recorded, dict):
+            continue
+        for known, files in found:
+            if known == recorded:
+                files.append(path.name)
+                break
+        else:
+            found.append((recorded, [path.name]))
+    return found
+
+
+def platform_table(data: Path) -> str:
+    """The recording platform(s) as a Markdown table, one column per platform."""
+    found = recorded_platforms(data)
+    if not found:
+        return "No data file of this copy records its platform."
+    head = "| | " + " | ".join(f"Platform {n + 1}" for n in range(len(found))) + " |"
+    rows = [head, "| --- |" + " --- |" * len(found)]
+    for key, name in PLATFORM_FIELDS:
+        values = [str(p.get(key, "")) or "unset" for p, _ in found]
+        rows.append(f"| {name} | " + " | ".join(values) + " |")
+    rows.append(
+        "| Data files | "
+        + " | ".join(", ".join(f"`{f}`" for f in files) for _, files in found)
+        + " |"
+    )
+    return "\n".join(rows)
+
+
 def _toc_docnames(app) -> list[str]:
     """The book's documents in reading order (sphinx-external-toc reads _toc.yml first)."""
     return list(app.config.external_site_map)
@@ -106,6 +180,7 @@ def _add_substitutions(app, config) -> None:
     substitutions = dict(config.myst_substitutions or {})
     substitutions["build_versions"] = versions_table()
     substitutions["execution_times"] = execution_table(Path(app.srcdir), _toc_docnames(app))
+    substitutions["recorded_platform"] = platform_table(Path(app.srcdir) / DATA)
     config.myst_substitutions = substitutions
 
 
@@ -201,6 +276,41 @@ def _fix_bibliography_roles(app, pagename, templatename, context, doctree) -> No
         context["body"] = body.replace('role="doc-biblioentry"', 'role="listitem"')
 
 
+# ----------------------------------------------------------------------------- self links
+
+
+class _SelfLinks(Transform):
+    """``[text](this.ipynb#frag)`` in this notebook -> ``[text](#frag)``."""
+
+    # before myst-parser's ResolveAnchorIds (879), which resolves ``#frag`` links
+    default_priority = 870
+
+    def apply(self, **kwargs) -> None:
+        env = getattr(self.document.settings, "env", None)
+        if env is None:
+            return
+        for xref in list(self.document.findall(addnodes.pending_xref)):
+            fragment = xref.get("reftargetid")
+            if not (
+                xref.get("reftype") == "myst"
+                and xref.get("refdomain") == "doc"
+                and xref.get("reftarget") == env.docname
+                and fragment
+            ):
+                continue
+            anchor = nodes.reference(
+                "", "", id_link=True, refuri="#" + fragment.removeprefix("cell-id=")
+            )
+            for attribute in ("classes", "ids", "source", "line"):
+                if xref.get(attribute):
+                    anchor[attribute] = xref[attribute]
+            if xref.get("title"):
+                anchor["reftitle"] = xref["title"]
+            if xref.get("refexplicit"):
+                anchor += xref[0].children  # the inline that wraps the link's text
+            xref.replace_self(anchor)
+
+
 # ----------------------------------------------------------------------------- figure alt
 
 _FIGURE_DOCS: dict[str, str] | None = None
@@ -246,8 +356,6 @@ def _called_function(source: str) -> str | None:
 
 
 def _figure_alts(app, doctree, docname) -> None:
-    from docutils import nodes
-
     for image in list(doctree.findall(nodes.image)):
         if image.get("alt"):
             continue
@@ -276,9 +384,10 @@ def setup(app):
     app.connect("html-page-context", _fix_bibliography_roles)
     app.connect("builder-inited", _patch_components)
     app.connect("doctree-resolved", _figure_alts)
+    app.add_transform(_SelfLinks)
     # In <head>, before the page is drawn (added here, before the builder starts, so
     # Sphinx 7.4 writes it once).
     app.add_js_file(None, body=_THEME_JS, priority=100)
     # env_version: a new version makes Sphinx re-read every page, so no page keeps a cached
     # doctree or HTML from before a change here.
-    return {"parallel_read_safe": True, "parallel_write_safe": True, "env_version": 2}
+    return {"parallel_read_safe": True, "parallel_write_safe": True, "env_version": 3}
