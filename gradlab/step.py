@@ -56,12 +56,10 @@ from torch.optim import optimizer as _optim_module
 
 from gradlab import distributed
 from gradlab._common import SAME_WIDTH_INT, check_flag, check_keep, select_bits_
-from gradlab.flat import flat_grads_of
 
 __all__ = ["step_if_"]
 
 
-@torch.compiler.disable
 def step_if_(
     optimizer: torch.optim.Optimizer,
     keep: Tensor | bool,
@@ -125,6 +123,8 @@ def step_if_(
         ``found_inf`` on the optimizer, and it may read ``keep``. The decision before it
         (the norm and the rule) compiles into one graph.
     """
+    if torch.compiler.is_compiling():
+        return _step_if_eagerly(optimizer, keep, closure, sync=sync)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -146,6 +146,12 @@ def step_if_(
         )
     snapshots = [_snapshot_of(o) for o in parts]
     return _snapshot_step_if(snapshots, keep, lambda: _step(optimizer, closure))
+
+
+#: step_if_ as a graph break: under torch.compile it runs eagerly (it sets attributes on
+#: the optimizer and may read ``keep``). Only there: in eager mode the wrapper around a
+#: fused step costs more than setting found_inf does.
+_step_if_eagerly = torch.compiler.disable(step_if_)
 
 
 def _step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> Any:
@@ -216,12 +222,33 @@ def _stepped_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
-def _all_have_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer``'s gradients are flat (:func:`gradlab.flat.flat_grads_of`)
-    and every one of its parameters has optimizer state, without a walk over them."""
-    flat = flat_grads_of(optimizer)
+#: Each optimizer seen with state for every parameter: (id of its state dict, the dict's
+#: length, its parameter count) then. While the three stay so, a step creates no state and
+#: the walk over the parameters is skipped (thousands of tensors: a look-up each).
+_COMPLETE: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _completeness(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
     state = optimizer.state
-    return flat is not None and len(state) == len(flat) and all(state.values())
+    return id(state), len(state), sum(len(g["params"]) for g in optimizer.param_groups)
+
+
+def _fresh_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The parameters a step of ``optimizer`` would give state for the first time."""
+    if _COMPLETE.get(optimizer) == _completeness(optimizer):
+        return []
+    # opt.state is a defaultdict: an entry read before the first step is empty.
+    return [p for p in _stepped_params(optimizer) if not optimizer.state.get(p)]
+
+
+def _note_completeness(optimizer: torch.optim.Optimizer) -> None:
+    """Remember ``optimizer`` as complete if every parameter has non-empty state (a
+    state dict as long as the parameters, checked once, not at every step)."""
+    key = _completeness(optimizer)
+    if _COMPLETE.get(optimizer) != key and key[1] == key[2] and all(optimizer.state.values()):
+        _COMPLETE[optimizer] = key
 
 
 def _fused_step_if(
@@ -236,16 +263,7 @@ def _fused_step_if(
     nonzero and undo their own ``step += 1``. A first step still creates state entries,
     which only the host can remove: that step reads ``keep``.
     """
-    # opt.state is a defaultdict: an entry read before the first step is empty. A part
-    # whose gradients are flat steps every parameter, so once each has state nothing in
-    # it is fresh: no look-up per parameter.
-    fresh = [
-        (o, p)
-        for o in parts
-        if not _all_have_state(o)
-        for p in _stepped_params(o)
-        if not o.state.get(p)
-    ]
+    fresh = [(o, p) for o in parts for p in _fresh_params(o)]
     previous = [o.__dict__.get("found_inf", _MISSING) for o in parts]
     for o in parts:
         flag = _found_inf_flag(o, keep.device)
@@ -264,6 +282,8 @@ def _fused_step_if(
     if created and not bool(keep):
         for o, p in created:
             del o.state[p]
+    for o in parts:
+        _note_completeness(o)
     return output
 
 

@@ -286,3 +286,55 @@ def test_fused_in_every_param_group_is_taken_as_fused():
     ref = _run("AdamW-fused", kept)
     for p, q in zip(model.parameters(), ref[0].parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "for-loop"])
+def test_a_parameter_first_stepped_in_a_skipped_step_gets_no_state(fused):
+    """Once every parameter has state, a later one (a gradient it lacked, a new param
+    group) still leaves a skipped step without state, as if the step never came."""
+    a, b, c = (nn.Parameter(torch.full((3,), float(i))) for i in (1, 2, 3))
+    opt = torch.optim.AdamW([a, b], lr=0.1, fused=fused, foreach=None if fused else False)
+    a.grad = torch.ones(3)
+    step_if_(opt, torch.tensor(True), sync=False)  # b has no gradient: no state for it
+    kept = {k: v.clone() for k, v in opt.state[a].items()}
+    b.grad = torch.ones(3)
+    step_if_(opt, torch.tensor(False), sync=False)
+    assert b not in opt.state or not opt.state[b]
+    step_if_(opt, torch.tensor(True), sync=False)  # now both have state
+    assert opt.state[b]
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in (a, b)}
+    opt.add_param_group({"params": [c]})
+    c.grad = torch.ones(3)
+    step_if_(opt, torch.tensor(False), sync=False)
+    assert c not in opt.state or not opt.state[c]
+    for p in (a, b):
+        assert all(torch.equal(v, before[p][k]) for k, v in opt.state[p].items())
+    assert kept.keys() == before[a].keys()
+
+
+def test_step_if_inside_a_compiled_function_still_skips_exactly():
+    """Under torch.compile step_if_ runs eagerly (a graph break): the skip is exact."""
+    model = model_for("AdamW-fused")
+    opt = OPTIMIZERS["AdamW-fused"][0](model.parameters())
+    ref = model_for("AdamW-fused")
+    ref_opt = OPTIMIZERS["AdamW-fused"][0](ref.parameters())
+    stream, kept = _streams()
+
+    def train_step(m, o):
+        grads = [p.grad for p in m.parameters()]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        return step_if_(o, torch.isfinite(norm) & (norm < THRESHOLD), sync=False)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(train_step, backend="eager")
+    for x, y in stream:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        compiled(model, opt)
+    torch._dynamo.reset()
+    for x, y in kept:
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert_identical((model, opt, None), (ref, ref_opt, None))
+    assert not hasattr(opt, "found_inf")
