@@ -352,3 +352,34 @@ def test_figures_take_real_module_gradients():
     model.weight.grad = torch.tensor([[3.0, -4.0]])
     g = tuple(model.weight.grad.reshape(-1).tolist())
     assert C.norm_clip_2d(g, 1.0).clipped == pytest.approx((0.6, -0.8), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: C.norm_ball_figure(0.0),
+        lambda: C.norm_ball_figure(20.0),
+        lambda: C.norm_vs_value_figure(0.0),
+        lambda: C.norm_vs_value_figure(50.0),
+        lambda: C.layer_clamp_figure(0.0, [("w", torch.tensor([[0.5, -2.0]]))]),
+        lambda: C.layer_clamp_figure(10.0, [("w", torch.tensor([[0.5, -2.0]]))]),
+    ],
+)
+def test_figures_just_outside_their_sliders(call):
+    # issue 21 item 13: a threshold of 0 or far above every gradient draws a figure
+    assert isinstance(call(), Figure)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: C.norm_ball_figure(-1.0), "max_norm"),
+        (lambda: C.norm_ball_figure(math.nan), "max_norm"),
+        (lambda: C.norm_vs_value_figure(-1.0), "threshold"),
+        (lambda: C.norm_vs_value_figure(math.nan), "threshold"),
+        (lambda: C.layer_clamp_figure(-1.0, [("w", torch.ones(2))]), "clip_value"),
+    ],
+)
+def test_bad_thresholds_are_refused_by_name(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()

@@ -211,3 +211,31 @@ def test_corrupted_batches_table_lists_every_corrupted_step(stream):
             # corrupted batch of this stream, label errors included
             assert d.largest_ratio[t] > d.norm_ratio[t]
             assert f"{d.largest_ratio[t]:.2f}" in line and f"{d.norm_ratio[t]:.2f}" in line
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ignoring.ignore_norm_stream_figure(0.0),
+        lambda: ignoring.ignore_norm_stream_figure(1e6),
+        lambda: ignoring.value_vs_norm_figure(0.0),
+        lambda: ignoring.value_vs_norm_figure(100.0),
+    ],
+)
+def test_figures_just_outside_their_sliders(call):
+    # issue 21 item 13: a threshold of 0 (everything ignored) or far above every norm
+    assert isinstance(call(), Figure)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: ignoring.ignore_norm_stream_figure(-1.0), "max_norm"),
+        (lambda: ignoring.ignore_norm_stream_figure(math.nan), "max_norm"),
+        (lambda: ignoring.value_vs_norm_figure(-1.0), "margin"),
+        (lambda: ignoring.value_vs_norm_figure(math.nan), "margin"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()

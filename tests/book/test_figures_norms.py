@@ -137,3 +137,36 @@ def test_group_clipping_figure_at_extremes(max_norm, by):
 def test_group_clipping_figure_rejects_unknown_grouping():
     with pytest.raises(ValueError):
         N.group_clipping_figure(1.0, by="row")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: N.unit_ball_figure(0.5),  # below the slider: a quasi-norm ball, still drawn
+        lambda: N.unit_ball_figure(16.0),
+        lambda: N.unit_ball_figure(200.0),
+        lambda: N.unit_ball_figure(2.0, [0.0, 0.0]),
+        lambda: N.unit_ball_figure(2.0, [math.inf, 0.0]),
+        lambda: N.group_clipping_figure(0.0),
+        lambda: N.group_clipping_figure(0.1),
+        lambda: N.group_clipping_figure(10.0),
+    ],
+)
+def test_figures_just_outside_their_sliders(call):
+    # issue 21 item 13: the sliders' neighbours draw a figure instead of crashing
+    assert isinstance(call(), Figure)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: N.unit_ball_figure(math.nan), "p"),
+        (lambda: N.unit_ball_figure(-1.0), "p"),
+        (lambda: N.unit_ball_figure(2.0, [1.0, 2.0, 3.0]), "gradient"),
+        (lambda: N.group_clipping_figure(-1.0), "max_norm"),
+        (lambda: N.group_clipping_figure(math.nan), "max_norm"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()

@@ -170,6 +170,12 @@ def compare_clipping_2d(gradient: Sequence[float], threshold: float) -> NormVsVa
     Angles are NaN where a vector is zero or not finite (no direction to compare).
     """
     g = _as_vector2(gradient)
+    threshold = float(threshold)
+    if not threshold >= 0:  # NaN fails too
+        # named here: it is both clips' threshold, the library would say max_norm
+        raise ValueError(
+            f"threshold must be a non-negative number (inf allowed), got {threshold!r}"
+        )
     by_norm = norm_clip_2d(g, threshold).clipped
     param = _with_grad(g)
     gradlab.clip_grad_value_(param, threshold)
