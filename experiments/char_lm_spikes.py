@@ -9,7 +9,8 @@ trains every (method, seed) below with AdamW on a fixed list of Python
 standard-library source files and writes, into the book package's data folder
 (``gradlab-book/gradlab_book/data/``, :func:`gradlab_book.stored.folder`),
 
-* ``spikes_runs.json``: the setup, the corpus's sha256, and for every run the
+* ``spikes_runs.json`` (and ``spikes_runs_2.json``, more runs): the setup, the
+  numeric platform, the corpus's sha256, and for every run the
   training loss, gradient norm and decision (kept, clipped, skipped) of every step
   and the held-out loss every ``eval_every`` steps;
 * ``spikes_table.csv``: one row per (method, seed): final training and held-out
@@ -18,6 +19,11 @@ standard-library source files and writes, into the book package's data folder
   and of the whole training step, measured after the runs with every method stepped
   in turn (:func:`measure_costs`), *on the machine that ran it*, with that machine's
   description (``--costs-only`` measures them again without retraining).
+
+* ``spikes_prefix.json``: the first ``PREFIX`` steps of ``PREFIX_RUNS`` in full
+  precision with the numeric platform (``--prefix-only`` writes just this file);
+* ``spikes_recipe.json``: the runs with a limit on skips that takes the step
+  (``RECIPES``, ``--recipe-only``), with the numeric platform.
 
 ``spikes_runs.json`` also holds reference runs without control at the lower learning
 rate ``REFERENCE_LR`` (``--reference-only`` trains just those again).
@@ -87,6 +93,9 @@ SETUP = {
     "eval_batches": 8,
 }
 SEEDS = (0, 1, 2, 3, 4)
+#: spikes_runs.json holds the first SPLIT runs, spikes_runs_2.json the rest (each file
+#: under 300 KB).
+SPLIT = 20
 COST_STEPS = 200  # steps of every method, interleaved, for the timings
 #: A reference: no control at this lower learning rate, every seed.
 REFERENCE_LR = 0.01
@@ -106,6 +115,24 @@ LABELS = {
     "autoclip": "AutoClip (clip)",
     "sigmaskip": "SigmaSkip (skip)",
 }
+
+#: The runs' adaptive policies, as gradlab 2 had them by default: AutoClip as the
+#: third-party QuantileClip (the 0.9 quantile of the last 1000 norms), not the paper's
+#: p = 10 of the whole history; SigmaSkip's accepted-only window (a skipped step never
+#: enters it), not OLMo-core's, where every step enters.
+AUTOCLIP = {"percentile": 90.0, "window": 1000}
+SIGMASKIP = {"k": 6.0, "window": 128, "min_count": 64, "steps": "taken"}
+#: A limit on skips that does not stall (``--recipe-only``): after ``RECIPE_LIMIT``
+#: skips in a row the guard takes the step, clipped to its threshold.
+RECIPE_LIMIT = 10
+RECIPES = {"skip-take": (SKIP, None), "clip+skip-take": (CLIP, SKIP_ABOVE)}
+#: The runs of the recipe check (every seed of clip+skip and two of skip went stale).
+RECIPE_SEEDS = {"clip+skip-take": (0, 1, 2, 3, 4), "skip-take": (0, 3)}
+
+#: Full-precision prefixes of these (method, seed) runs, for the prefix test: a run whose
+#: guard acts within the prefix and one without a guard.
+PREFIX = 50
+PREFIX_RUNS = (("clip+skip", 0), ("none", 1))
 
 # Spikes: a step whose training loss is more than SPIKE_RATIO times the median of the
 # SPIKE_WINDOW losses before it starts a spike, unless one started in the SPIKE_WINDOW
@@ -156,10 +183,20 @@ def make_guard(method: str, optimizer: torch.optim.Optimizer) -> StepGuard | Non
         return StepGuard(optimizer, mode="clip", threshold=CLIP, skip_above=SKIP_ABOVE, **kw)
     if method == "zclip":
         return StepGuard(optimizer, mode="clip", threshold=ZClip(), **kw)
-    if method == "autoclip":
-        return StepGuard(optimizer, mode="clip", threshold=AutoClip(), **kw)
-    if method == "sigmaskip":
-        return StepGuard(optimizer, mode="skip", threshold=SigmaSkip(), **kw)
+    if method == "autoclip":  # QuantileClip's rule, the variant these runs used
+        return StepGuard(optimizer, mode="clip", threshold=AutoClip(**AUTOCLIP), **kw)
+    if method == "sigmaskip":  # the accepted-only window, the variant these runs used
+        return StepGuard(optimizer, mode="skip", threshold=SigmaSkip(**SIGMASKIP), **kw)
+    if method in RECIPES:  # a limit on skips that takes a clipped step instead
+        threshold, skip_above = RECIPES[method]
+        return StepGuard(
+            optimizer,
+            mode="clip" if skip_above else "skip",
+            threshold=threshold,
+            skip_above=skip_above,
+            max_consecutive_skips=RECIPE_LIMIT,
+            on_skip_limit="take",
+        )
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -227,21 +264,26 @@ class Trainer:
         return loss.item(), norm, decision, t2 - t1, t2 - t0
 
 
-def train_run(method: str, seed: int, setup: dict = SETUP, steps: int | None = None) -> dict:
-    """Train one (method, seed) for ``steps`` (default ``setup["steps"]``) steps."""
+def train_run(
+    method: str, seed: int, setup: dict = SETUP, steps: int | None = None, digits: bool = True
+) -> dict:
+    """Train one (method, seed) for ``steps`` (default ``setup["steps"]``) steps; losses
+    to five significant digits and norms to four, or in full precision (``digits=False``)."""
+    torch.set_num_threads(1)  # as every run of the script: the reduction order counts
     steps = setup["steps"] if steps is None else steps
+    r = _r if digits else lambda x, _: x if math.isfinite(x) else None
     train, held = splits(corpus_text())
     trainer = Trainer(method, seed, setup, train)
     losses, norms, decisions = [], [], []
     eval_steps, eval_losses = [0], [held_out_loss(trainer.model, held, setup)]
     for step in range(steps):
         loss, norm, decision, _, _ = trainer.step()
-        losses.append(_r(loss, 5))
-        norms.append(_r(norm, 4))
+        losses.append(r(loss, 5))
+        norms.append(r(norm, 4))
         decisions.append(decision[0])  # k, c or s
         if (step + 1) % setup["eval_every"] == 0:
             eval_steps.append(step + 1)
-            eval_losses.append(_r(held_out_loss(trainer.model, held, setup), 5))
+            eval_losses.append(r(held_out_loss(trainer.model, held, setup), 5))
     return {
         "method": method,
         "seed": seed,
@@ -307,6 +349,35 @@ def _job(job: tuple[str, int]) -> dict:
     return train_run(*job)
 
 
+def prefix_data() -> dict:
+    """The first ``PREFIX`` steps of ``PREFIX_RUNS`` in full precision, with the numeric
+    platform that computed them (:func:`gradlab_book.stored.platform`)."""
+    torch.set_num_threads(1)
+    runs = []
+    for method, seed in PREFIX_RUNS:
+        run = train_run(method, seed, steps=PREFIX, digits=False)
+        runs.append({k: run[k] for k in ("method", "seed", "loss", "norm", "decision")})
+    return {"platform": stored.platform(), "steps": PREFIX, "runs": runs}
+
+
+def recipe_data(workers: int) -> dict:
+    """The runs of ``RECIPES`` (a limit on skips that takes the step) for
+    ``RECIPE_SEEDS``, with the numeric platform, rows as in ``spikes_table.csv``."""
+    jobs = [(m, s) for m, seeds in RECIPE_SEEDS.items() for s in seeds]
+    with ProcessPoolExecutor(workers) as pool:
+        runs = list(pool.map(_job, jobs))
+    return {
+        "description": "a limit on skips that takes the step (max_consecutive_skips="
+        f"{RECIPE_LIMIT}, on_skip_limit='take'); written by experiments/char_lm_spikes.py "
+        "--recipe-only",
+        "platform": stored.platform(),
+        "limit": RECIPE_LIMIT,
+        "recipes": {m: list(v) for m, v in RECIPES.items()},
+        "rows": [table_row(r) for r in runs],
+        "runs": runs,
+    }
+
+
 def reference_run(seed: int) -> dict:
     """No control at ``REFERENCE_LR``: the losses, without norms and decisions."""
     torch.set_num_threads(1)
@@ -356,9 +427,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only train the reference runs again and write them into spikes_runs.json",
     )
+    parser.add_argument(
+        "--prefix-only",
+        action="store_true",
+        help="only rerun the prefix runs and write spikes_prefix.json",
+    )
+    parser.add_argument(
+        "--recipe-only",
+        action="store_true",
+        help="only train the runs with a limit on skips and write spikes_recipe.json",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     start = time.perf_counter()
+    if args.prefix_only or args.recipe_only:
+        name, data = (
+            ("spikes_prefix.json", prefix_data())
+            if args.prefix_only
+            else ("spikes_recipe.json", recipe_data(args.workers))
+        )
+        size = stored.write_json(args.out / name, data) / 1024
+        print(f"wrote {args.out / name} ({size:.0f} KB) in {time.perf_counter() - start:.0f} s")
+        return 0
     if args.costs_only:
         write_costs(args.out)
         print(f"wrote {args.out / 'spikes_costs.json'} in {time.perf_counter() - start:.0f} s")
@@ -390,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {
         "description": "character GPT on Python stdlib sources, AdamW at a spiking "
         "learning rate; written by experiments/char_lm_spikes.py",
+        "platform": stored.platform(),
         "corpus": {
             "files": list(CORPUS_FILES),
             "chars": len(text),
@@ -403,15 +494,19 @@ def main(argv: list[str] | None = None) -> int:
         "methods": list(METHODS),
         "labels": LABELS,
         "seeds": list(SEEDS),
-        "runs": runs,
+        "runs": runs[:SPLIT],
         "reference": reference,
+        "more_files": ["spikes_runs_2.json"],
     }
     size = stored.write_json(runs_path, data) / 1024
+    size += stored.write_json(args.out / "spikes_runs_2.json", {"runs": runs[SPLIT:]}) / 1024
     rows = [table_row(r) for r in runs]
     with open(args.out / "spikes_table.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    stored.write_json(args.out / "spikes_prefix.json", prefix_data())
+    stored.write_json(args.out / "spikes_recipe.json", recipe_data(args.workers))
     write_costs(args.out)
     print(f"wrote {args.out} ({size:.0f} KB runs) in {time.perf_counter() - start:.0f} s")
     return 0

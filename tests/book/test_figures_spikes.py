@@ -7,6 +7,7 @@ recomputed from the stored runs.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -129,6 +130,7 @@ def test_summary_and_lines(data, rows):
 def test_the_figures_draw(data, rows):
     figs = [
         spikes.adam_figure(100.0, 0.999, 500),
+        spikes.adam_figure(1000.0, 0.95, 3000),  # the explorable's smallest beta2
         spikes.run_figure(data, "skip", data["seeds"][0]),
         spikes.run_figure(data, "none", data["seeds"][-1]),
         spikes.summary_figure(rows, data["methods"], data["labels"]),
@@ -136,3 +138,12 @@ def test_the_figures_draw(data, rows):
         spikes.costs_figure(spikes.load_costs(), data["labels"]),
     ]
     assert all(isinstance(f, Figure) for f in figs)
+
+
+def test_the_runs_are_joined_from_their_files(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"runs": [1, 2], "more_files": ["b.json"]}))
+    (tmp_path / "b.json").write_text(json.dumps({"runs": [3]}))
+    assert spikes.load_runs(tmp_path / "a.json")["runs"] == [1, 2, 3]
+    whole = spikes.load_runs()
+    assert whole["more_files"] == ["spikes_runs_2.json"]
+    assert len(whole["runs"]) == len(whole["methods"]) * len(whole["seeds"])

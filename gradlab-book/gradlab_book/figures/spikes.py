@@ -36,6 +36,8 @@ from gradlab_book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
 
 __all__ = [
     "COSTS_PATH",
+    "PREFIX_PATH",
+    "RECIPE_PATH",
     "RUNS_PATH",
     "TABLE_PATH",
     "adam_after_spike",
@@ -44,6 +46,8 @@ __all__ = [
     "costs_figure",
     "costs_lines",
     "load_costs",
+    "load_prefix",
+    "load_recipe",
     "load_runs",
     "load_table",
     "method_summary",
@@ -61,6 +65,8 @@ __all__ = [
 RUNS_PATH = stored.path("spikes_runs.json")
 TABLE_PATH = stored.path("spikes_table.csv")
 COSTS_PATH = stored.path("spikes_costs.json")
+PREFIX_PATH = stored.path("spikes_prefix.json")
+RECIPE_PATH = stored.path("spikes_recipe.json")
 
 #: Colours of the methods (the book's decision colours where a method has one).
 COLOURS = {
@@ -78,7 +84,24 @@ COLOURS = {
 
 
 def load_runs(path: Path | str = RUNS_PATH) -> dict[str, Any]:
-    """The stored runs, as written by ``experiments/char_lm_spikes.py``."""
+    """The stored runs, as written by ``experiments/char_lm_spikes.py``: the file at
+    ``path`` and the files it names in ``more_files`` (beside it), which hold more runs
+    so that each file stays small."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    for name in data.get("more_files", []):
+        data["runs"] += json.loads((path.parent / name).read_text())["runs"]
+    return data
+
+
+def load_prefix(path: Path | str = PREFIX_PATH) -> dict[str, Any]:
+    """The first steps of two runs in full precision, with the numeric platform that
+    computed them (``stored.platform()``), for the prefix test."""
+    return json.loads(Path(path).read_text())
+
+
+def load_recipe(path: Path | str = RECIPE_PATH) -> dict[str, Any]:
+    """The runs with a limit on skips that takes the step (``on_skip_limit="take"``)."""
     return json.loads(Path(path).read_text())
 
 
