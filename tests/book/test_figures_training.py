@@ -244,3 +244,39 @@ def test_clipped_displacement_is_eta_tau_over_one_minus_mu():
     assert total == pytest.approx(0.2 / (1 - 0.9), rel=1e-9)
     first, steady = training.clipped_displacement(2.0, 0.1, 0.5, steps=100, repeat=True)
     assert first == pytest.approx(0.2) and steady == pytest.approx(0.4, rel=1e-9)
+
+
+def test_best_percentile_and_tuned_table_follow_the_stored_runs():
+    # An independent reading of the stored JSON: fewest failures, then lowest median.
+    data = training.load_data()
+    grid = training.load_grid()
+    setup = training.Setup(**data["setup"])
+    clean = next(c for c in data["cells"] if c["rate"] == 0.0)["runs"]["none"]
+
+    def finals(cell, method):
+        losses = [r["test_loss"][-1] for r in cell["runs"][method]]
+        return np.array([math.inf if v is None else float(np.float32(v)) for v in losses])
+
+    limit = training.FAIL_FACTOR * float(np.median(finals({"runs": {"none": clean}}, "none")))
+    assert setup.steps > 0
+    for rate in (0.1, 0.2):
+        cells = [c for c in data["cells"] if c["rate"] == rate]
+        for method in ("clip_norm", "skip", "clip_skip"):
+            scores = {
+                c["percentile"]: (
+                    int(np.sum(~(finals(c, method) <= limit))),
+                    float(np.median(finals(c, method))),
+                    c["percentile"],
+                )
+                for c in cells
+            }
+            want = min(scores, key=scores.get)
+            assert training.best_percentile(grid, rate, method) == want
+        table = training.tuned_table(grid, rate)
+        assert len(table.splitlines()) == len(training.METHODS) + 3
+        best = training.best_percentile(grid, rate, "clip_norm")
+        row = next(line for line in table.splitlines() if line.startswith("clip by norm"))
+        assert row.split()[3] == f"{best:g}"
+    with pytest.raises(ValueError, match="rates"):
+        training.tuned_table(grid, 0.5)
+    assert training.percentiles_of(grid, 0.1) == sorted(data["percentiles"])

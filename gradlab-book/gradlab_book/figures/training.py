@@ -12,7 +12,14 @@ gradient are compared on the *same* batches (paired by seed):
 ``ignore_norm``   :func:`gradlab.grad_ignore_norm_` at ``tau_norm``, then ``optimizer.step()``
                   (the gradient is zeroed, the momentum buffer still moves the weights);
 ``ignore_value``  :func:`gradlab.grad_ignore_value_` at ``tau_value``, then the step;
-``skip``          :class:`gradlab.StepGuard` in ``mode="skip"``: the step is not taken.
+``skip``          :class:`gradlab.StepGuard` in ``mode="skip"``: the step is not taken;
+``skip_limit``    the skip with a limit: after ``skip_limit`` skips in a row, the next
+                  step is taken clipped to ``tau_norm`` (``max_consecutive_skips``,
+                  ``on_skip_limit="take"``);
+``clip_skip``     the hybrid, ``StepGuard(mode="clip", threshold=tau_norm,
+                  skip_above=skip_factor * tau_norm)``: clip the ordinary large steps,
+                  skip the far larger ones, and after ``skip_limit`` skips in a row take
+                  the next step clipped (``on_skip_limit="take"``).
 
 Thresholds are *matched* by calibration: ``tau_norm`` and ``tau_value`` are the same
 percentile of the total 2-norm and of the largest absolute entry, measured on clean
@@ -22,9 +29,11 @@ the two kinds of threshold make the same number of false alarms.
 
 Compute functions return plain numbers and numpy arrays; figure functions draw them.
 
-The grid of the chapter's explorable (every method at three thresholds and three
-corruption rates) is computed by ``experiments/clip_vs_ignore_grid.py`` and stored in
-``clip_vs_ignore_grid.json`` (:mod:`gradlab_book.stored`); :func:`load_grid` reads it back.
+The chapter's data (every method at seven thresholds, three corruption rates and five
+seeds, the calibration, and the runs its threshold exercise is scored on) are computed
+by ``experiments/clip_vs_ignore_grid.py`` and stored in ``clip_vs_ignore_grid.json``
+(:mod:`gradlab_book.stored`, with the numeric platform that wrote them);
+:func:`load_grid` and :func:`load_data` read them back.
 """
 
 from __future__ import annotations
@@ -57,27 +66,47 @@ __all__ = [
     "Thresholds",
     "acted_table",
     "band",
+    "best_percentile",
+    "bits_from_hex",
+    "bits_to_hex",
     "clean_statistics",
     "clipped_displacement",
     "corrupt_labels",
     "corruption_schedule",
+    "eval_steps_of",
     "experiment_grid",
+    "float32_text",
     "grid_figure",
     "grid_from_dict",
     "grid_to_dict",
+    "load_data",
     "load_grid",
     "loss_curves_figure",
     "make_data",
     "norm_trace_figure",
+    "percentiles_of",
     "run_experiment",
     "seed_table",
     "stall_table",
+    "stored_trace",
     "summary_rows",
+    "sweep_figure",
+    "sweep_table",
     "thresholds_at",
     "train_run",
+    "tuned_table",
 ]
 
-METHODS = ("none", "clip_norm", "clip_value", "ignore_norm", "ignore_value", "skip")
+METHODS = (
+    "none",
+    "clip_norm",
+    "clip_value",
+    "ignore_norm",
+    "ignore_value",
+    "skip",
+    "skip_limit",
+    "clip_skip",
+)
 
 LABELS = {
     "none": "no control",
@@ -86,6 +115,8 @@ LABELS = {
     "ignore_norm": "ignore by norm (zero grads)",
     "ignore_value": "ignore by value (zero grads)",
     "skip": "skip the step (StepGuard)",
+    "skip_limit": "skip, take the 11th in a row",
+    "clip_skip": "clip, skip above 2τ",
 }
 COLOURS = {
     "none": NONE,
@@ -94,6 +125,8 @@ COLOURS = {
     "ignore_norm": IGNORE,
     "ignore_value": IGNORE,
     "skip": SKIP,
+    "skip_limit": SKIP,
+    "clip_skip": SKIP,
 }
 STYLES = {
     "none": "-",
@@ -102,6 +135,8 @@ STYLES = {
     "ignore_norm": "-",
     "ignore_value": "--",
     "skip": ":",
+    "skip_limit": "--",
+    "clip_skip": "-.",
 }
 
 #: Losses above this are drawn at the top edge of the plots (a diverged run is inf).
@@ -124,6 +159,8 @@ class Setup:
     corruption_scale: float = 15.0
     eval_every: int = 10
     data_seed: int = 0
+    skip_factor: float = 2.0  # clip_skip: skip_above = skip_factor * tau_norm
+    skip_limit: int = 10  # skip_limit, clip_skip: after this many skips in a row, take one
 
 
 @dataclass(frozen=True)
@@ -147,6 +184,8 @@ class RunResult:
     max_abs: np.ndarray  # largest |entry| of each step's gradient, before any control
     acted: np.ndarray  # True where the control clipped, zeroed or skipped
     corrupted: np.ndarray  # True where the batch was corrupted
+    skipped: np.ndarray | None = None  # skip, clip_skip: True where the step was skipped
+    limited: np.ndarray | None = None  # clip_skip: taken clipped by the skip limit
 
     @property
     def final_test_loss(self) -> float:
@@ -231,11 +270,31 @@ def train_run(
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=setup.lr, momentum=setup.momentum)
     guard = None
+    # A step beyond skip_above that is still taken (clipped) was taken by the skip limit.
+    skip_above = tau_norm
     if method == "skip":
         # No limit on consecutive skips: the book's sweeps include thresholds that skip
-        # (nearly) every step on purpose.
+        # (nearly) every step, and skip_limit is the same rule with one.
+        guard = StepGuard(optimizer, mode="skip", by="norm", threshold=tau_norm)
+    elif method == "skip_limit":
         guard = StepGuard(
-            optimizer, mode="skip", by="norm", threshold=tau_norm, max_consecutive_skips=None
+            optimizer,
+            mode="skip",
+            by="norm",
+            threshold=tau_norm,
+            max_consecutive_skips=setup.skip_limit,
+            on_skip_limit="take",
+        )
+    elif method == "clip_skip":
+        skip_above = setup.skip_factor * tau_norm
+        guard = StepGuard(
+            optimizer,
+            mode="clip",
+            by="norm",
+            threshold=tau_norm,
+            skip_above=skip_above,
+            max_consecutive_skips=setup.skip_limit,
+            on_skip_limit="take",
         )
 
     schedule = corruption_schedule(setup.steps, rate, seed)
@@ -244,6 +303,8 @@ def train_run(
     norms = np.full(setup.steps, np.nan)
     maxes = np.full(setup.steps, np.nan)
     acted = np.zeros(setup.steps, dtype=bool)
+    skipped = np.zeros(setup.steps, dtype=bool) if guard is not None else None
+    limited = np.zeros(setup.steps, dtype=bool) if method in ("skip_limit", "clip_skip") else None
     eval_steps, losses = [0], [mse_or_inf(model, x_te, y_te)]
 
     for step in range(setup.steps):
@@ -268,7 +329,13 @@ def train_run(
             gradlab.grad_ignore_value_(params, tau_value)
             acted[step] = not maxes[step] < tau_value
         if guard is not None:
-            acted[step] = guard.step().decision != "kept"
+            decision = guard.step().decision
+            acted[step] = decision != "kept"
+            skipped[step] = decision == "skipped"
+            if limited is not None:
+                # keep_by_norm's rule, as the guard's
+                beyond = not skip_above / (norms[step] + 1e-6) >= 1
+                limited[step] = decision == "clipped" and beyond
         else:
             optimizer.step()
         if (step + 1) % setup.eval_every == 0 or step + 1 == setup.steps:
@@ -292,6 +359,8 @@ def train_run(
         max_abs=maxes,
         acted=acted,
         corrupted=schedule,
+        skipped=skipped,
+        limited=limited,
     )
 
 
@@ -372,46 +441,91 @@ def experiment_grid(
 GRID_PATH = stored.path("clip_vs_ignore_grid.json")
 
 
-def _bits(mask: np.ndarray) -> str:
-    return "".join("1" if b else "0" for b in mask)
+def bits_to_hex(mask: np.ndarray) -> str:
+    """A boolean array as hexadecimal text, 8 entries a byte (the length is stored apart)."""
+    return np.packbits(np.asarray(mask, dtype=bool)).tobytes().hex()
+
+
+def bits_from_hex(text: str, n: int) -> np.ndarray:
+    """The first ``n`` entries of :func:`bits_to_hex`'s array, as booleans."""
+    bits = np.unpackbits(np.frombuffer(bytes.fromhex(text), dtype=np.uint8))
+    if len(bits) < n:
+        raise ValueError(f"{text!r} holds {len(bits)} bits, fewer than {n}")
+    return bits[:n].astype(bool)
+
+
+def float32_text(value: float) -> float | None:
+    """A float32 value (a loss, a norm) as the shortest decimal that reads back to it.
+
+    JSON has no inf or NaN: they are stored as null. ``float(np.float32(x))`` of the
+    result is ``value`` again, bit for bit.
+    """
+    if not math.isfinite(value):
+        return None
+    single = np.float32(value)
+    if float(single) != value:
+        raise ValueError(f"{value!r} is not a float32 value")
+    return float(str(single))
+
+
+def _from_float32_text(value: float | None) -> float:
+    return math.inf if value is None else float(np.float32(value))
+
+
+def eval_steps_of(setup: Setup) -> np.ndarray:
+    """The steps at which a run of ``setup`` measures its test loss (0 first)."""
+    steps = [0] + [
+        s for s in range(1, setup.steps + 1) if s % setup.eval_every == 0 or s == setup.steps
+    ]
+    return np.asarray(steps)
 
 
 def _run_to_dict(run: RunResult) -> dict[str, Any]:
-    # JSON has no inf: a diverged evaluation is stored as null. Floats round-trip exactly.
-    losses = [float(v) if math.isfinite(v) else None for v in run.test_loss]
-    return {
-        "method": run.method,
+    values: dict[str, Any] = {
         "seed": run.seed,
-        "eval_steps": [int(s) for s in run.eval_steps],
-        "test_loss": losses,
-        "acted": _bits(run.acted),
-        "corrupted": _bits(run.corrupted),
+        "test_loss": [float32_text(float(v)) for v in run.test_loss],
+        "acted": bits_to_hex(run.acted),
     }
+    for name in ("skipped", "limited"):
+        if getattr(run, name) is not None:
+            values[name] = bits_to_hex(getattr(run, name))
+    return values
 
 
-def _run_from_dict(values: dict[str, Any]) -> RunResult:
-    steps = len(values["acted"])
-    losses = [math.inf if v is None else v for v in values["test_loss"]]
+def _run_from_dict(
+    method: str, values: dict[str, Any], setup: Setup, corrupted: np.ndarray
+) -> RunResult:
+    steps = setup.steps
+    optional = {
+        name: bits_from_hex(values[name], steps) if name in values else None
+        for name in ("skipped", "limited")
+    }
     return RunResult(
-        method=values["method"],
+        method=method,
         seed=values["seed"],
-        eval_steps=np.asarray(values["eval_steps"]),
-        test_loss=np.asarray(losses, dtype=float),
-        total_norm=np.full(steps, np.nan),  # not stored: the grid figure does not use them
+        eval_steps=eval_steps_of(setup),
+        test_loss=np.array([_from_float32_text(v) for v in values["test_loss"]]),
+        total_norm=np.full(steps, np.nan),  # not stored: the figures do not use them
         max_abs=np.full(steps, np.nan),
-        acted=np.array([c == "1" for c in values["acted"]], dtype=bool),
-        corrupted=np.array([c == "1" for c in values["corrupted"]], dtype=bool),
+        acted=bits_from_hex(values["acted"], steps),
+        corrupted=corrupted,
+        **optional,
     )
 
 
 def grid_to_dict(grid: dict[tuple[float, float], Experiment]) -> dict[str, Any]:
-    """:func:`experiment_grid`'s result as JSON-ready plain values.
+    """:func:`experiment_grid`'s result as JSON-ready plain values, compactly.
 
-    Kept per run: the test-loss curve, and which steps were acted on and corrupted
-    (what :func:`grid_figure` and :func:`summary_rows` use); the per-step norms are not.
+    Kept per run: the test-loss curve (float32 values as their shortest decimals) and
+    which steps were acted on, skipped and taken by the skip limit (as hexadecimal
+    bits); the corruption schedule once per (rate, seed). The per-step norms are not
+    kept. Every stored number reads back bit for bit (:func:`grid_from_dict`).
     """
-    cells = []
+    cells, corrupted = [], {}
     for (q, r), experiment in grid.items():
+        for runs in experiment.runs.values():
+            for run in runs:
+                corrupted.setdefault(repr(float(r)), {})[str(run.seed)] = bits_to_hex(run.corrupted)
         cells.append(
             {
                 "percentile": q,
@@ -421,7 +535,7 @@ def grid_to_dict(grid: dict[tuple[float, float], Experiment]) -> dict[str, Any]:
             }
         )
     setup = next(iter(grid.values())).setup if grid else Setup()
-    return {"setup": asdict(setup), "cells": cells}
+    return {"setup": asdict(setup), "corrupted": corrupted, "cells": cells}
 
 
 def grid_from_dict(data: dict[str, Any]) -> dict[tuple[float, float], Experiment]:
@@ -432,18 +546,52 @@ def grid_from_dict(data: dict[str, Any]) -> dict[tuple[float, float], Experiment
     setup = Setup(**data["setup"])
     grid = {}
     for cell in data["cells"]:
+        schedules = data["corrupted"][repr(float(cell["rate"]))]
         experiment = Experiment(
             rate=cell["rate"], thresholds=Thresholds(**cell["thresholds"]), setup=setup
         )
-        experiment.runs = {m: [_run_from_dict(x) for x in runs] for m, runs in cell["runs"].items()}
+        experiment.runs = {
+            m: [
+                _run_from_dict(m, x, setup, bits_from_hex(schedules[str(x["seed"])], setup.steps))
+                for x in runs
+            ]
+            for m, runs in cell["runs"].items()
+        }
         grid[(cell["percentile"], cell["rate"])] = experiment
     return grid
 
 
+def load_data(path: Path | str = GRID_PATH) -> dict[str, Any]:
+    """Everything ``experiments/clip_vs_ignore_grid.py`` stored, as plain JSON values.
+
+    Beside the grid's ``"setup"``, ``"corrupted"`` and ``"cells"`` (read them with
+    :func:`load_grid`): ``"platform"`` (:func:`gradlab_book.stored.platform` of the
+    machine that wrote them), ``"percentiles"``, ``"rates"``, ``"seeds"``,
+    ``"calibration"`` (the clean runs' seeds, the norms of their first steps and their
+    drift) and ``"threshold_runs"`` (the recorded runs the threshold exercise is scored
+    on).
+    """
+    return json.loads(Path(path).read_text())
+
+
 def load_grid(path: Path | str = GRID_PATH) -> dict[tuple[float, float], Experiment]:
-    """The stored grid of the chapter's explorable (see :func:`grid_from_dict`)."""
-    data = json.loads(Path(path).read_text())
-    return grid_from_dict(data)
+    """The stored grid of the chapter (see :func:`grid_from_dict`)."""
+    return grid_from_dict(load_data(path))
+
+
+def stored_trace(
+    data: dict[str, Any], grid: dict[tuple[float, float], Experiment], name: str = "seen"
+) -> RunResult:
+    """The stored skip run ``data["threshold_runs"][name]``, with its per-step norms.
+
+    The grid keeps no norms; the threshold exercise's runs keep them, so that a norm
+    trace (:func:`norm_trace_figure`) can be drawn from stored data.
+    """
+    stored_run = data["threshold_runs"][name]
+    experiment = _cell(grid, stored_run["percentile"], stored_run["rate"])
+    run = next(r for r in experiment.runs["skip"] if r.seed == stored_run["seed"])
+    norms = np.array([_from_float32_text(v) for v in stored_run["total_norm"]])
+    return RunResult(**{**run.__dict__, "total_norm": norms})
 
 
 # ------------------------------------------------------------------------ summaries
@@ -518,8 +666,10 @@ def loss_curves_figure(experiment: Experiment, methods: Sequence[str] = METHODS)
     one for ignoring/skipping (both with the uncontrolled run for reference)."""
     fig = new_figure(6.4, 3.4)
     axes = fig.subplots(1, 2, sharey=True)
-    left = [m for m in ("none", "clip_norm", "clip_value") if m in methods]
-    right = [m for m in ("none", "ignore_norm", "ignore_value", "skip") if m in methods]
+    left = [m for m in ("none", "clip_norm", "clip_value", "clip_skip") if m in methods]
+    right = [
+        m for m in ("none", "ignore_norm", "ignore_value", "skip", "skip_limit") if m in methods
+    ]
     for ax, group, title in [(axes[0], left, "clip"), (axes[1], right, "ignore / skip")]:
         _draw_bands(ax, experiment, group)
         ax.set_title(title, fontsize=10)
@@ -570,8 +720,13 @@ def grid_figure(
     grid: dict[tuple[float, float], Experiment],
     methods: Sequence[str] = METHODS,
 ) -> Figure:
-    """One cell of :func:`experiment_grid`: median loss curves and final-loss bars."""
-    experiment = grid[(percentile, rate)]
+    """One cell of :func:`experiment_grid`: median loss curves and final-loss bars.
+
+    Raises:
+        ValueError: ``(percentile, rate)`` is not a cell of ``grid`` (the message lists
+            the cells there are).
+    """
+    experiment = _cell(grid, percentile, rate)
     fig = new_figure(6.4, 3.4)
     left, right = fig.subplots(1, 2, width_ratios=[1.6, 1])
     _draw_bands(left, experiment, methods, fill=False)
@@ -595,6 +750,125 @@ def grid_figure(
         f"(norm {t.norm:.3g}, value {t.value:.3g})",
         fontsize=9,
     )
+    return fig
+
+
+def _cell(grid: dict[tuple[float, float], Experiment], percentile: float, rate: float):
+    try:
+        return grid[(percentile, rate)]
+    except (KeyError, TypeError):
+        cells = ", ".join(f"({q:g}, {r:g})" for q, r in sorted(grid))
+        raise ValueError(
+            f"no stored cell at percentile {percentile!r}, rate {rate!r}; the grid has {cells}"
+        ) from None
+
+
+def _clean_limit(grid: dict[tuple[float, float], Experiment], fail_factor: float) -> float:
+    """``fail_factor`` times the median final loss of the uncontrolled runs on clean data."""
+    clean = [e for (_, r), e in grid.items() if r == 0.0 and "none" in e.runs]
+    if not clean:
+        raise ValueError("the grid has no uncontrolled runs on clean data (rate 0) to compare with")
+    finals = [run.final_test_loss for run in clean[0].runs["none"]]
+    return fail_factor * float(np.median(finals))
+
+
+def _rates_of(grid: dict[tuple[float, float], Experiment], rates: Sequence[float] | None):
+    stored = sorted({r for _, r in grid})
+    rates = stored if rates is None else list(rates)
+    missing = [r for r in rates if r not in stored]
+    if missing:
+        raise ValueError(f"no stored cells at rates {missing}; the grid has rates {stored}")
+    return rates
+
+
+def sweep_table(
+    grid: dict[tuple[float, float], Experiment],
+    rate: float,
+    methods: Sequence[str] = METHODS,
+    fail_factor: float | None = None,
+) -> str:
+    """Every method's median final test loss at each stored percentile, at one rate.
+
+    Each cell is ``median (failed)``: the median over the seeds, and how many seeds
+    failed (a final test loss above ``fail_factor`` times the median of the
+    uncontrolled runs on clean data, :data:`FAIL_FACTOR` by default).
+
+    Raises:
+        ValueError: ``rate`` is not stored, or the grid has no clean reference.
+    """
+    (rate,) = _rates_of(grid, [rate])
+    limit = _clean_limit(grid, FAIL_FACTOR if fail_factor is None else fail_factor)
+    percentiles = sorted(q for q, r in grid if r == rate)
+    n = len(next(iter(grid[(percentiles[0], rate)].runs.values())))
+    head = f"{f'{100 * rate:.0f}% corrupted':22}" + "".join(
+        f"{f'q={q:g}':>10}" for q in percentiles
+    )
+    lines = [head]
+    for method in methods:
+        cells = ""
+        for q in percentiles:
+            runs = grid[(q, rate)].runs.get(method)
+            if not runs:
+                cells += f"{'':>10}"
+                continue
+            finals = np.array([r.final_test_loss for r in runs])
+            failed = int(np.sum(~(finals <= limit)))
+            cells += f"{f'{np.median(finals):.2g} ({failed})':>10}"
+        lines.append(f"{_label(method)[:22]:22}{cells}")
+    lines.append(
+        f"(median final test loss of {n} seeds; in brackets the seeds that failed: "
+        f"above {limit:.2g})"
+    )
+    return "\n".join(lines)
+
+
+def sweep_figure(
+    grid: dict[tuple[float, float], Experiment],
+    rates: Sequence[float] | None = None,
+    methods: Sequence[str] = METHODS,
+) -> Figure:
+    """Median final test loss against the threshold percentile, one panel per rate.
+
+    The whiskers span the best and the worst seed; a diverged run is drawn at the
+    top edge (:data:`LOSS_CEILING`).
+
+    Raises:
+        ValueError: a rate of ``rates`` is not stored.
+    """
+    rates = _rates_of(grid, rates)
+    fig = new_figure(6.4, 3.6)
+    axes = np.atleast_1d(fig.subplots(1, len(rates), sharey=True, squeeze=False)[0])
+    for ax, rate in zip(axes, rates, strict=True):
+        percentiles = sorted(q for q, r in grid if r == rate)
+        x = np.arange(len(percentiles))
+        for k, method in enumerate(methods):
+            finals = [
+                [run.final_test_loss for run in grid[(q, rate)].runs.get(method, [])]
+                for q in percentiles
+            ]
+            if not all(finals):
+                continue
+            finals = np.minimum(np.array(finals, dtype=float), LOSS_CEILING)
+            median = np.median(finals, axis=1)
+            offset = (k - (len(methods) - 1) / 2) * 0.06  # keep the whiskers apart
+            ax.errorbar(
+                x + offset,
+                median,
+                yerr=[median - finals.min(1), finals.max(1) - median],
+                color=COLOURS[method],
+                ls=STYLES[method],
+                marker="o",
+                ms=3,
+                lw=1.2,
+                elinewidth=0.6,
+                label=LABELS[method].split(" (")[0],
+            )
+        ax.set_yscale("log")
+        ax.set_xticks(x, [f"{q:g}" for q in percentiles], fontsize=7)
+        ax.set_xlabel("threshold: percentile of clean norms")
+        ax.set_title(f"{100 * rate:.0f}% corrupted batches", fontsize=9)
+    axes[0].set_ylabel("final test loss (median, min-max)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=7)
     return fig
 
 
@@ -632,6 +906,75 @@ def seed_table(
         lines.append(f"{label[:22]:22}{cells}{stats}")
     lines.append(f"(failed: final test loss above {fail_factor:g} x {np.median(clean):.2g})")
     return "\n".join(lines)
+
+
+def best_percentile(
+    grid: dict[tuple[float, float], Experiment],
+    rate: float,
+    method: str,
+    fail_factor: float | None = None,
+) -> float:
+    """The stored percentile at which ``method`` did best at ``rate``: fewest failed
+    seeds, then the lowest median final test loss, then the lower percentile.
+
+    This is tuning on the test runs themselves (the best a user could hope for with one
+    fixed threshold), the same for every method, so the comparison stays fair.
+
+    Raises:
+        ValueError: ``rate`` is not stored, or the grid has no clean reference.
+    """
+    (rate,) = _rates_of(grid, [rate])
+    limit = _clean_limit(grid, FAIL_FACTOR if fail_factor is None else fail_factor)
+
+    def score(q: float) -> tuple[int, float, float]:
+        finals = np.array([r.final_test_loss for r in grid[(q, rate)].runs[method]])
+        return int(np.sum(~(finals <= limit))), float(np.median(finals)), q
+
+    return min((q for q, r in grid if r == rate), key=score)
+
+
+def tuned_table(
+    grid: dict[tuple[float, float], Experiment],
+    rate: float,
+    methods: Sequence[str] = METHODS,
+    fail_factor: float | None = None,
+) -> str:
+    """Each method at its own best stored percentile (:func:`best_percentile`): every
+    seed's final test loss, the mean, the median and the failed seeds, with the
+    uncontrolled runs on clean data first as the reference.
+
+    Raises:
+        ValueError: ``rate`` is not stored, or the grid has no clean reference.
+    """
+    (rate,) = _rates_of(grid, [rate])
+    factor = FAIL_FACTOR if fail_factor is None else fail_factor
+    limit = _clean_limit(grid, factor)
+    clean_cell = next(e for (_, r), e in grid.items() if r == 0.0 and "none" in e.runs)
+    seeds = [r.seed for r in clean_cell.runs["none"]]
+    head = f"{f'{100 * rate:.0f}% corrupted, tuned':24}{'q':>6}"
+    head += "".join(f"{f's{s}':>6}" for s in seeds)
+    lines = [head + f"{'mean':>7}{'median':>7}{'failed':>7}"]
+    rows = [("clean data, no control", "", clean_cell.runs["none"])]
+    for method in methods:
+        q = "" if method == "none" else best_percentile(grid, rate, method, fail_factor)
+        cell = grid[(percentiles_of(grid, rate)[0] if q == "" else q, rate)]
+        rows.append((_label(method), q, cell.runs[method]))
+    for label, q, runs in rows:
+        finals = np.array([r.final_test_loss for r in runs])
+        cells = "".join(f"{v:>6.2g}" for v in finals)
+        failed = f"{int(np.sum(~(finals <= limit)))}/{len(finals)}"
+        stats = f"{np.mean(finals):>7.3g}{np.median(finals):>7.3g}{failed:>7}"
+        lines.append(f"{label[:24]:24}{q!s:>6}{cells}{stats}")
+    lines.append(
+        f"(q: the percentile each method did best at; failed: above {factor:g} x the "
+        f"clean median, {limit:.2g})"
+    )
+    return "\n".join(lines)
+
+
+def percentiles_of(grid: dict[tuple[float, float], Experiment], rate: float) -> list[float]:
+    """The stored percentiles at ``rate``, in ascending order."""
+    return sorted(q for q, r in grid if r == rate)
 
 
 def acted_table(experiment: Experiment) -> str:
