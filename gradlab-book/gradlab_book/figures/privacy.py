@@ -368,19 +368,18 @@ def ghost_costs(d_in: int, d_out: int, seq_len: int) -> dict[str, float]:
     r"""Per sample, for one Linear layer seeing ``seq_len`` positions: the Gram form
     against forming the weight gradient.
 
-    The Gram form of the ghost norm holds two :math:`T 	imes T` matrices and costs
-    :math:`T^2 (d_	ext{in} + d_	ext{out})` multiply-adds; forming
-    :math:`\sum_t g_t a_t^	op` holds :math:`d_	ext{in} d_	ext{out}` numbers and costs
-    :math:`T d_	ext{in} d_	ext{out}`. They hold as many numbers at
-    :math:`2T^2 = d_	ext{in} d_	ext{out}` (the memory break-even, the layer-wise rule of
-    Bu, Mao and Xu's mixed ghost clipping) and cost as much at
-    :math:`T (d_	ext{in} + d_	ext{out}) = d_	ext{in} d_	ext{out}`.
+    The Gram form of the ghost norm holds two :math:`T \times T` matrices and costs
+    :math:`T^2 (d_\text{in} + d_\text{out})` multiply-adds; forming
+    :math:`\sum_t g_t a_t^\top` holds :math:`d_\text{in} d_\text{out}` numbers and costs
+    :math:`T d_\text{in} d_\text{out}`. They hold as many numbers at
+    :math:`2T^2 = d_\text{in} d_\text{out}` (the memory break-even) and cost as much at
+    :math:`T (d_\text{in} + d_\text{out}) = d_\text{in} d_\text{out}`.
 
     Returns:
         dict: ``gram_numbers``, ``gram_madds``, ``formed_numbers``, ``formed_madds``,
-        ``memory_break_even_T`` (:math:`\sqrt{d_	ext{in} d_	ext{out} / 2}`) and
-        ``time_break_even_T`` (:math:`d_	ext{in} d_	ext{out} / (d_	ext{in} +
-        d_	ext{out})`), as floats.
+        ``memory_break_even_T`` (:math:`\sqrt{d_\text{in} d_\text{out} / 2}`) and
+        ``time_break_even_T`` (:math:`d_\text{in} d_\text{out} / (d_\text{in} +
+        d_\text{out})`), as floats.
     """
     for name, v in (("d_in", d_in), ("d_out", d_out), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
