@@ -94,7 +94,10 @@ def test_comparison_figure_renders():
     fig = skipping.drift_comparison_figure(0.9, steps=5)
     ax = fig.axes[0]
     assert ax.get_yscale() == "log"
-    assert len(fig.legends[0].get_texts()) == 4
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    # per optimizer: the zeroed run and the scale, one more clean batch; then the skip
+    assert len(labels) == 2 * len(skipping.OPTIMIZERS) + 1
+    assert sum("one more clean batch" in t for t in labels) == len(skipping.OPTIMIZERS)
     assert png_bytes(fig)[:4] == b"\x89PNG"
 
 

@@ -1,18 +1,22 @@
 r"""Zeroing a gradient is not skipping a step (taught in book/training/skip_step).
 
-Three runs of the same small MLP from :mod:`gradlab_book.demos` see the same clean
-minibatches; two of them also see one bad batch (targets a thousand times too
-large) part-way through:
+Four runs of the same small MLP from :mod:`gradlab_book.demos` see the same clean
+minibatches; three of them also see one more batch part-way through:
 
-* ``reference``: never sees the bad batch;
-* ``zeroed``: sees it, zeroes every gradient with :func:`gradlab.grad_ignore_norm_`
-  and calls ``optimizer.step()`` anyway;
-* ``skipped``: sees it, and :class:`gradlab.StepGuard` skips the step.
+* ``reference``: never sees it;
+* ``zeroed``: sees a bad batch (targets a thousand times too large), zeroes every
+  gradient with :func:`gradlab.grad_ignore_norm_` and calls ``optimizer.step()``
+  anyway;
+* ``skipped``: sees the bad batch, and :func:`gradlab.step_if_` skips the step
+  (``keep`` from :func:`gradlab.keep_by_norm`);
+* ``swapped``: sees one more *clean* batch there and steps on it normally: the scale
+  of the drift one ordinary batch causes, against which the zeroed drift is judged.
 
 After every batch the distance :math:`\|\theta - \theta_{\text{ref}}\|_2` to the
-reference run after the same clean batches measures how far the "ignored" step
-moved the parameters. The computations (:func:`drift_after_bad_batch`,
-:func:`host_reads_per_step`) return plain numbers; the figure functions only draw.
+reference run after the same clean batches measures how far the extra step moved the
+parameters, and the loss on held-out data after the last batch what it cost. The
+computations (:func:`drift_after_bad_batch`, :func:`host_reads_per_step`) return plain
+numbers; the figure functions only draw.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch import nn
 import gradlab
 from gradlab.sync import HostReadCounter
 from gradlab_book import demos
-from gradlab_book.plots import IGNORE, SKIP, new_figure
+from gradlab_book.plots import IGNORE, NONE, SKIP, new_figure
 
 __all__ = [
     "HOST_READ_OPTIMIZERS",
@@ -89,6 +93,10 @@ class Drift:
         steps: 0, 1, ..., n: clean batches seen since the bad one.
         zeroed: per step, :math:`\|\theta_{\text{zeroed}} - \theta_{\text{ref}}\|_2`.
         skipped: the same for the true skip (all exactly 0.0 when it works).
+        swapped: the same for a run that took one extra clean step there instead: the
+            drift of one ordinary batch, the scale to judge ``zeroed`` against.
+        test_loss: the mean squared error on held-out data after the last batch, by run
+            (``"reference"``, ``"zeroed"``, ``"skipped"``, ``"swapped"``).
         zeroed_step_count: the optimizer's step count after the bad batch under
             zeroing (``None`` for SGD, which keeps no count).
         reference_step_count: the same in the reference run.
@@ -105,6 +113,8 @@ class Drift:
     steps: np.ndarray
     zeroed: np.ndarray
     skipped: np.ndarray
+    swapped: np.ndarray
+    test_loss: dict[str, float]
     zeroed_step_count: int | None
     reference_step_count: int | None
     bad_norm: float
@@ -150,29 +160,42 @@ def drift_after_bad_batch(
     x, y = demos.regression_data((n_clean + 1) * _BATCH, d_in=_D_IN, seed=seed)
     *clean, (x_bad, y_bad) = zip(x.split(_BATCH), y.split(_BATCH), strict=True)
     bad = (x_bad, y_bad * _BAD_SCALE)
+    # the same teacher (drawn first from the seed), new inputs: one more clean batch for
+    # the swapped run, and a held-out set
+    start = (n_clean + 1) * _BATCH
+    x_more, y_more = demos.regression_data(start + _BATCH + 256, d_in=_D_IN, seed=seed)
+    extra = (x_more[start : start + _BATCH], y_more[start : start + _BATCH])
+    x_test, y_test = x_more[start + _BATCH :], y_more[start + _BATCH :]
 
-    def train(kind: str) -> tuple[list[torch.Tensor], list[float], int | None]:
+    def train(kind: str) -> tuple[list[torch.Tensor], list[float], int | None, float]:
         model = demos.small_mlp(_D_IN, _HIDDEN, 1, seed=seed)
         opt = make_optimizer(optimizer, model.parameters(), beta, weight_decay)
-        guard = gradlab.StepGuard(opt, mode="skip", threshold=_THRESHOLD)
-        stream = clean if kind == "reference" else [*clean[:_WARMUP], bad, *clean[_WARMUP:]]
+        inserted = {"reference": [], "swapped": [extra]}.get(kind, [bad])
+        stream = [*clean[:_WARMUP], *inserted, *clean[_WARMUP:]]
         snapshots, norms, count = [], [], None
         for i, (xb, yb) in enumerate(stream):
             demos.backward(model, xb, yb)
-            if kind == "skipped":
-                norms.append(guard.step().total_norm)
-            else:
+            grads = [p.grad for p in model.parameters()]
+            if kind == "skipped":  # the two phases: decide on the device, step or not
+                norm = gradlab.get_total_norm(grads)
+                gradlab.step_if_(opt, gradlab.keep_by_norm(norm, _THRESHOLD))
+                norms.append(float(norm))
+            elif kind == "zeroed":
                 norms.append(float(gradlab.grad_ignore_norm_(model.parameters(), _THRESHOLD)))
+                opt.step()
+            else:  # reference and swapped: clean batches, stepped as they come
+                norms.append(float(gradlab.get_total_norm(grads)))
                 opt.step()
             if kind != "reference" and i == _WARMUP:
                 count = _step_count(opt)
             snapshots.append(_flat(model))
         model.zero_grad(set_to_none=True)
-        return snapshots, norms, count
+        return snapshots, norms, count, demos.mse_or_inf(model, x_test, y_test)
 
-    ref, ref_norms, _ = train("reference")
-    zeroed, norms, zeroed_count = train("zeroed")
-    skipped, _, _ = train("skipped")
+    ref, ref_norms, _, ref_loss = train("reference")
+    zeroed, norms, zeroed_count, zeroed_loss = train("zeroed")
+    skipped, _, _, skipped_loss = train("skipped")
+    swapped, _, _, swapped_loss = train("swapped")
     # After the bad batch (stream index _WARMUP + k) both runs have seen the same
     # _WARMUP + k clean batches as the reference after its batch _WARMUP + k - 1.
     initial = _flat(demos.small_mlp(_D_IN, _HIDDEN, 1, seed=seed))
@@ -195,6 +218,13 @@ def drift_after_bad_batch(
         steps=np.arange(steps + 1),
         zeroed=distances(zeroed),
         skipped=distances(skipped),
+        swapped=distances(swapped),
+        test_loss={
+            "reference": ref_loss,
+            "zeroed": zeroed_loss,
+            "skipped": skipped_loss,
+            "swapped": swapped_loss,
+        },
         zeroed_step_count=zeroed_count,
         reference_step_count=ref_count,
         bad_norm=norms[_WARMUP],
@@ -256,8 +286,18 @@ def drift_figure(optimizer: str = "adam", beta: float = 0.9, steps: int = 30) ->
     fig = new_figure(6.4, 3.4)
     ax = fig.add_subplot()
     ax.plot(data.steps, data.zeroed, color=IGNORE, marker="o", ms=3, label="zeroed gradients")
-    ax.plot(data.steps, data.skipped, color=SKIP, lw=2.5, label="true skip (StepGuard)")
-    top = max(float(np.nanmax(data.zeroed)), 1e-6) if data.zeroed.size else 1e-6
+    ax.plot(
+        data.steps,
+        data.swapped,
+        color=NONE,
+        ls="--",
+        lw=1.2,
+        label="one more clean batch instead (the scale)",
+    )
+    ax.plot(data.steps, data.skipped, color=SKIP, lw=2.5, label="true skip (step_if_)")
+    drawn = np.concatenate([data.zeroed, data.swapped])
+    finite = drawn[np.isfinite(drawn)]
+    top = max(float(finite.max()), 1e-6) if finite.size else 1e-6
     ax.set_ylim(-0.05 * top, 1.15 * top)
     ax.set_xlabel("clean batches since the bad one")
     ax.set_ylabel(r"$\|\theta - \theta_{\mathrm{ref}}\|_2$")
@@ -284,7 +324,8 @@ def drift_figure(optimizer: str = "adam", beta: float = 0.9, steps: int = 30) ->
 
 
 def drift_comparison_figure(beta: float = 0.9, steps: int = 30) -> Figure:
-    """The zeroed-gradient drift of the three optimizers on one (log) axis."""
+    """The zeroed-gradient drift of the three optimizers on one (log) axis, each beside
+    the drift of one extra clean batch (grey), the scale it is judged against."""
     fig = new_figure(6.4, 3.6)
     ax = fig.add_subplot()
     styles = {"sgd": ("-", "o"), "adam": ("--", "s"), "adamw": (":", "^")}
@@ -299,6 +340,16 @@ def drift_comparison_figure(beta: float = 0.9, steps: int = 30) -> Figure:
             marker=marker,
             ms=3,
             label=f"{OPTIMIZERS[name]}, zeroed",
+        )
+        ax.semilogy(
+            data.steps,
+            data.swapped,
+            color=NONE,
+            ls=line,
+            marker=marker,
+            ms=2,
+            lw=0.8,
+            label=f"{OPTIMIZERS[name]}, one more clean batch",
         )
     ax.plot([], [], color=SKIP, lw=2.5, label="any optimizer, true skip: 0 (off the log axis)")
     ax.set_xlabel("clean batches since the bad one")
