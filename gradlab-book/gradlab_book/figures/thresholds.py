@@ -412,13 +412,17 @@ def early_threshold(
         ValueError: ``percentile`` is not in [0, 100], or ``warmup`` is not an integer
             ``>= 0`` (a negative one would silently take all but the last steps).
     """
+    _check_warmup(percentile, warmup)
+    window = np.asarray(norms, dtype=float)[:warmup]
+    finite = window[np.isfinite(window)]
+    return float(np.percentile(finite, percentile)) if finite.size else math.inf
+
+
+def _check_warmup(percentile: Any, warmup: Any) -> None:
     if not (isinstance(percentile, numbers.Real) and 0.0 <= percentile <= 100.0):
         raise ValueError(f"percentile must be a number in [0, 100], got {percentile!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    window = np.asarray(norms, dtype=float)[:warmup]
-    finite = window[np.isfinite(window)]
-    return float(np.percentile(finite, percentile)) if finite.size else math.inf
 
 
 def drift_rates(
@@ -551,7 +555,12 @@ def drift_figure(percentile: float, warmup: int, traces: dict[str, Any], span: i
     ``warmup`` steps (shaded); under each, the share of the last 50 steps over it, against
     the ``100 - percentile`` % that the threshold was meant to give. Drawn for a phone
     (:data:`gradlab_book.figures.adaptive.PANEL_WIDTH`, one panel under the other). A
-    warm-up longer than a trace leaves that trace without a threshold, and says so."""
+    warm-up longer than a trace leaves that trace without a threshold, and says so.
+
+    Raises:
+        ValueError: as :func:`early_threshold`, before anything is drawn.
+    """
+    _check_warmup(percentile, warmup)  # before anything is drawn
     fig = new_figure(PANEL_WIDTH, 7.2)
     axes = fig.subplots(2 * len(TRACES), 1, height_ratios=[2, 1] * len(TRACES))
     target = 100 - percentile
