@@ -39,7 +39,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import platform
 import re
@@ -321,10 +320,10 @@ def _figure_docs() -> dict[str, str]:
     global _FIGURE_DOCS
     if _FIGURE_DOCS is None:
         _FIGURE_DOCS = {}
-        # find_spec finds the package without importing it
-        spec = importlib.util.find_spec("gradlab_book")
-        roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
-        for root in roots:
+        # The package's folder in this clone, by path: Sphinx loads this module under the
+        # package's own name, so find_spec("gradlab_book") answered this file, no package
+        # folder, and no figure got its docstring.
+        for root in [Path(__file__).resolve().parents[2] / "gradlab-book" / "gradlab_book"]:
             for module in sorted(root.rglob("*.py")):
                 try:
                     tree = ast.parse(module.read_text(encoding="utf-8"))

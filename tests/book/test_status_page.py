@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,3 +76,21 @@ def test_the_page_names_the_machine_of_the_committed_data():
     # and says in what a reader's own run may differ
     for words in ("last bits", "ATEN_CPU_CAPABILITY=default", "stored data", "Timings"):
         assert words in text, words
+
+
+def test_figures_get_their_docstrings_under_the_packages_name(monkeypatch):
+    """Sphinx imports the extension as ``gradlab_book``, the book package's own name: the
+    figure functions' docstrings are still found (they were not: find_spec answered the
+    extension's own file, and every notebook figure kept its file name as alt text)."""
+    ext = _extension()
+    monkeypatch.setitem(sys.modules, "gradlab_book", ext)
+    ext._FIGURE_DOCS = None
+    docs = ext._figure_docs()
+    assert docs["unit_ball_figure"].startswith(
+        ast.get_docstring(_function("figures/norms.py", "unit_ball_figure")).split("\n\n")[0][:40]
+    )
+
+
+def _function(module: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse((ROOT / "gradlab-book" / "gradlab_book" / module).read_text())
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
