@@ -62,10 +62,10 @@ MOVE_TIMEOUT_MS = 60_000  # the kernel's redraw after a slider move
 
 TIMES: dict[str, float] = {}
 
-# JupyterLab's user settings for the test: every cell rendered (no windowing, so the
-# checks see the whole notebook), no autosave, no news, no update check.
+# JupyterLab's user settings for the test: its defaults (cell windowing included, as a
+# learner has it: jupyterlab-myst then renders a cell before the ones far below it), with
+# no autosave, no news and no update check.
 SETTINGS = {
-    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
         "checkForUpdates": False,
@@ -243,6 +243,11 @@ class Lab:
         )
         time.sleep(2)
 
+    def notebook_top(self) -> None:
+        """Back to the first cell."""
+        self.page.locator(".jp-NotebookPanel .jp-Cell").first.scroll_into_view_if_needed()
+        time.sleep(0.5)
+
     def _block(self, route) -> None:
         self.external.append(route.request.url)
         route.abort("blockedbyclient")
@@ -367,16 +372,47 @@ _OUTPUT_PROBLEMS_JS = """() => {
   return out;
 }"""
 
-# The rendered Markdown without code blocks (which may show MyST syntax on purpose) and
-# without formulas (whose TeX source, e.g. \text{ref}, KaTeX keeps in the page).
-_MARKDOWN_TEXT_JS = """() => Array.from(
-    document.querySelectorAll('.jp-NotebookPanel .jp-MarkdownCell .jp-MarkdownOutput, '
-                              + '.jp-NotebookPanel .jp-MarkdownCell .myst'))
-  .map((el) => {
-    const copy = el.cloneNode(true);
-    copy.querySelectorAll('pre, .katex').forEach((el) => el.remove());
-    return copy.textContent;
-  })"""
+# A rendered Markdown cell's text without code blocks (which may show MyST syntax on
+# purpose) and without formulas (whose TeX source, e.g. \text{ref}, KaTeX keeps).
+_CELL_TEXT_JS = """(cell) => {
+  const copy = cell.cloneNode(true);
+  copy.querySelectorAll('pre, .katex, .jp-InputArea-editor').forEach((el) => el.remove());
+  return copy.textContent;
+}"""
+
+
+# Rendered: jupyterlab-myst's output is there and the editor is not shown. (The class
+# jp-mod-rendered is not a test: under windowing a cell rendered on arrival lacks it.)
+_RENDERED_JS = """(c) => {
+  const editor = c.querySelector('.jp-InputArea-editor');
+  const shown = editor && editor.offsetParent !== null && editor.offsetHeight > 0;
+  return c.querySelector('.myst') !== null && !shown;
+}"""
+
+
+def _markdown_cells(lab: Lab):
+    """Each Markdown cell in turn, scrolled into view and rendered there.
+
+    With JupyterLab's default windowing a cell is rendered when it comes into view, and
+    one far out of view may not be: so the cells are checked one at a time, as a reader
+    scrolling down meets them.
+    """
+    cells = lab.page.locator(".jp-NotebookPanel .jp-MarkdownCell")
+    for index in range(cells.count()):
+        cell = cells.nth(index)
+        cell.scroll_into_view_if_needed()
+        try:
+            lab.page.wait_for_function(
+                _RENDERED_JS,
+                arg=cell.element_handle(),
+                timeout=20_000,
+            )
+        except Exception as err:  # playwright's TimeoutError
+            text = cell.inner_text()[:80]
+            raise AssertionError(
+                f"{lab.doc}: markdown cell {index + 1} not rendered: {text!r}"
+            ) from err
+        yield index, cell
 
 
 def _shot(lab: Lab, locator, name: str) -> None:
@@ -385,41 +421,98 @@ def _shot(lab: Lab, locator, name: str) -> None:
 
 
 def _check_markdown(lab: Lab, expected: dict) -> None:
-    page = lab.page
-    unrendered = page.locator(".jp-NotebookPanel .jp-MarkdownCell:not(.jp-mod-rendered)")
-    assert unrendered.count() == 0, f"{lab.doc}: {unrendered.count()} markdown cells not rendered"
-    texts = page.evaluate(_MARKDOWN_TEXT_JS)
-    raw = [m.group(0) for text in texts for m in RAW_MYST.finditer(text)]
+    raw: list[str] = []
+    formulas = errors = 0
+    for _, cell in _markdown_cells(lab):
+        raw += [m.group(0) for m in RAW_MYST.finditer(cell.evaluate(_CELL_TEXT_JS))]
+        formulas += cell.locator(".katex").count()
+        errors += cell.locator(".katex-error").count()
     assert not raw, f"{lab.doc}: raw MyST in the rendered notebook: {sorted(set(raw))}"
-    errors = page.locator(".jp-NotebookPanel .jp-MarkdownCell .katex-error")
-    assert errors.count() == 0, f"{lab.doc}: {errors.count()} formulas KaTeX could not render"
-    assert page.locator(".jp-NotebookPanel .jp-MarkdownCell .katex").count() > 0, lab.doc
+    assert errors == 0, f"{lab.doc}: {errors} formulas KaTeX could not render"
+    assert formulas > 0, lab.doc
+    lab.notebook_top()
+
+
+def _check_citation(lab: Lab) -> None:
+    """A citation shows its author-year text; a click brings its work's cell into view.
+
+    ``booktools.myst_compat`` links a citation to ``this.ipynb#cell-id=<key>``, the cell
+    of the cited work at the end of the notebook (JupyterLab finds a cell by its id
+    whether windowing has rendered it or not).
+    """
+    nb = nbformat.read(JUPYTERLAB_ROOT / f"{lab.doc}.ipynb", as_version=4)
+    works = {c.id: c.source for c in nb.cells if c.cell_type == "markdown"}
+    links = lab.page.locator(".jp-NotebookPanel .jp-MarkdownCell a[href*='#cell-id=']")
+    if links.count() == 0:
+        sources = "\n".join(works.values())
+        assert "#cell-id=" not in sources, f"{lab.doc}: no citation link rendered"
+        return
+    link = links.first
+    key = link.get_attribute("href").split("#cell-id=", 1)[1]
+    assert key in works, f"{lab.doc}: a citation of {key!r}, which has no cell"
+    assert re.search(r"\(?\d{4}\)?", link.inner_text()), f"{lab.doc}: {link.inner_text()!r}"
+    # jupyterlab-myst redraws a cell's Markdown as other cells render: try again then
+    for attempt in range(5):
+        try:
+            links.first.click(timeout=10_000)
+            break
+        except Exception:  # playwright's Error: "not attached to the DOM"
+            if attempt == 4:
+                raise
+            time.sleep(1)
+    # the rendered text only (a cell's hidden editor holds its source, the link's title)
+    work = lab.page.locator(".jp-NotebookPanel .jp-MarkdownCell .myst").filter(
+        has_text=works[key][:60]
+    )
+    try:
+        work.first.wait_for(state="visible", timeout=30_000)
+        lab.page.wait_for_function(
+            # JupyterLab scrolls the cell to the centre; cells above it that windowing
+            # renders meanwhile may shift it a little (the chapter's text is pages above)
+            """(el) => { const r = el.getBoundingClientRect(), h = window.innerHeight;
+                 return r.bottom > -h / 2 && r.top < 1.5 * h; }""",
+            arg=work.first.element_handle(),
+            timeout=30_000,
+        )
+    except Exception as err:  # playwright's TimeoutError
+        lab.page.screenshot(path=str(SHOTS / f"{lab.slug}-citation-click.png"))
+        top = work.first.evaluate("el => el.getBoundingClientRect().top") if work.count() else None
+        raise AssertionError(
+            f"{lab.doc}: a click on a citation of {key} did not bring its cell into view "
+            f"(page {lab.page.url}, the cell's top at {top})"
+        ) from err
+    _shot(lab, work.first, "citation-target")
+    lab.notebook_top()
 
 
 def _check_solutions(lab: Lab, expected: dict) -> None:
     page = lab.page
-    dropdowns = page.locator(".jp-NotebookPanel .jp-MarkdownCell details").filter(
-        has=page.locator("summary", has_text="Solution to")
-    )
     wanted = expected["solutions"] + expected["gated"]
-    assert dropdowns.count() == wanted, (
-        f"{lab.doc}: {dropdowns.count()} solution dropdowns, {wanted} solutions in the source"
+    found = 0
+    for _, cell in _markdown_cells(lab):
+        dropdowns = cell.locator("details").filter(
+            has=page.locator("summary", has_text="Solution to")
+        )
+        for d in range(dropdowns.count()):
+            i = found
+            found += 1
+            box = dropdowns.nth(d)
+            assert box.evaluate("d => !d.open"), f"{lab.doc}: solution {i + 1} is open on arrival"
+            body = box.locator(":scope > :not(summary)")
+            has_body = body.count() > 0 and bool(body.first.text_content().strip())
+            if has_body:
+                assert not body.first.is_visible(), f"{lab.doc}: solution {i + 1} shows its text"
+            if i == 0:
+                _shot(lab, box, "solution-folded")
+            box.locator("summary").first.click()
+            assert box.evaluate("d => d.open"), f"{lab.doc}: solution {i + 1} does not open"
+            if has_body:
+                assert body.first.is_visible(), f"{lab.doc}: solution {i + 1} opened empty"
+            if i == 0:
+                _shot(lab, box, "solution-open")
+    assert found == wanted, (
+        f"{lab.doc}: {found} solution dropdowns, {wanted} solutions in the source"
     )
-    for i in range(dropdowns.count()):
-        box = dropdowns.nth(i)
-        assert box.evaluate("d => !d.open"), f"{lab.doc}: solution {i + 1} is open on arrival"
-        body = box.locator(":scope > :not(summary)")
-        has_body = body.count() > 0 and bool(body.first.text_content().strip())
-        if has_body:
-            assert not body.first.is_visible(), f"{lab.doc}: solution {i + 1} shows its text"
-        if i == 0:
-            _shot(lab, box, "solution-folded")
-        box.locator("summary").first.click()
-        assert box.evaluate("d => d.open"), f"{lab.doc}: solution {i + 1} does not open"
-        if has_body:
-            assert body.first.is_visible(), f"{lab.doc}: solution {i + 1} opened empty"
-        if i == 0:
-            _shot(lab, box, "solution-open")
     # The code of a gated solution: folded into JupyterLab's placeholder bar, opened by
     # a click, like the rest of that solution.
     placeholders = page.locator(".jp-NotebookPanel .jp-CodeCell .jp-InputPlaceholder")
@@ -521,6 +614,7 @@ def test_chapter_runs_and_reads_well_in_jupyterlab(doc, lab, lab_shots):
     page = opened.page
     _check_markdown(opened, expected)  # rendered on opening, before anything runs
     page.screenshot(path=str(SHOTS / f"{opened.slug}-top.png"))
+    _check_citation(opened)
 
     TIMES[doc] = opened.run_all()
 
