@@ -18,6 +18,7 @@ import builtins
 import json
 import re
 import shutil
+import symtable
 import zipfile
 
 import nbformat
@@ -63,34 +64,40 @@ def _answer_name(question) -> str:
     return call.args[0].id
 
 
-def _bound(tree: ast.AST) -> set[str]:
-    """Every name ``tree`` binds: assigned, defined, imported, or a parameter."""
-    names = {
-        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
-    }
-    names |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    return names
+def _globals(source: str) -> tuple[set[str], set[str]]:
+    """(read, bound): the module-level names ``source`` reads (in any scope: a function's
+    body reading a global counts, its own parameters and locals do not) and those it
+    binds (assigned, defined or imported at the top)."""
+    read: set[str] = set()
+    bound: set[str] = set()
+    tables = [symtable.symtable(source, "<cell>", "exec")]
+    top = tables[0]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        for symbol in table.get_symbols():
+            name = symbol.get_name()
+            if table is top:
+                if symbol.is_referenced():
+                    read.add(name)
+                if symbol.is_assigned() or symbol.is_imported() or symbol.is_namespace():
+                    bound.add(name)
+            elif symbol.is_global() and symbol.is_referenced():
+                read.add(name)
+    return read, bound
 
 
 def _needs_chapter(nb, question) -> bool:
     """Whether the answer or the check cell reads a name that only the chapter's other
     cells define (beyond its imports): such a question is graded end to end only."""
-    trees = [
-        ast.parse(source) for source in (*_solution_code(question), question.check_cell.source)
-    ]
-    loaded = {
-        n.id
-        for t in trees
-        for n in ast.walk(t)
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-    }
-    bound = _bound(ast.parse(_imports(nb))).union(*(_bound(t) for t in trees))
-    return bool(loaded - bound - set(dir(builtins)))
+    sources = (*_solution_code(question), question.check_cell.source)
+    read: set[str] = set()
+    bound = _globals(_imports(nb))[1]
+    for source in sources:
+        r, b = _globals(source)
+        read |= r
+        bound |= b
+    return bool(read - bound - set(dir(builtins)))
 
 
 def _questions():
