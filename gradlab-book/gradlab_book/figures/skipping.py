@@ -32,8 +32,11 @@ from torch import nn
 
 import gradlab
 from gradlab.sync import HostReadCounter
-from gradlab_book import demos
+from gradlab_book import demos, stored
 from gradlab_book.plots import IGNORE, NONE, SKIP, new_figure
+
+#: ``benchmarks/bench_skip.py --json``'s tables, with the platform that measured them.
+BENCH_PATH = stored.path("skip_bench.json")
 
 __all__ = [
     "HOST_READ_OPTIMIZERS",
