@@ -26,3 +26,15 @@ if _missing:
         "then `bash scripts/test.sh book`.",
         returncode=4,
     )
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test, as the experiment scripts run: their prefixes
+    reproduce bit for bit only so."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,7 +15,6 @@ import math
 import experiment_scripts
 import numpy as np
 import pytest
-import torch
 
 from gradlab_book import stored as stored_data
 from gradlab_book.figures import thresholds as th
@@ -24,17 +23,12 @@ PREFIX = 20
 RTOL = 1e-4
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as the script runs
+
+
 @pytest.fixture(scope="module")
 def data() -> dict:
     return th.load_sweep()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the script runs
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_file_is_small_and_holds_every_run(data):

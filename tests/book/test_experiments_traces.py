@@ -25,17 +25,12 @@ PREFIX = {"mlp": 40, "tanh": 2}
 RTOL = 1e-4
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as the script runs
+
+
 @pytest.fixture(scope="module")
 def stored() -> dict:
     return json.loads(adaptive.DATA_PATH.read_text())
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the script runs
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
