@@ -363,10 +363,12 @@ def _figure_alts(app, doctree, docname) -> None:
             cell = cell.parent
         if cell is None:
             continue
+        # Anywhere in the cell: a hide-input cell nests its source in a folding container.
         sources = [
             block.astext()
-            for part in cell.children
-            if part.get("nb_element") == "cell_code_source"
+            for part in cell.findall(
+                lambda n: isinstance(n, nodes.Element) and n.get("nb_element") == "cell_code_source"
+            )
             for block in part.findall(nodes.literal_block)
         ]
         name = _called_function(sources[0]) if sources else None

@@ -33,3 +33,19 @@
     upgradeAll();
   }
 })();
+
+/* MyST-NB folds a hide-input cell in a <summary aria-label="Toggle hidden content">
+ * whose visible text is "Show code cell source": an accessible name that leaves out the
+ * visible words fails WCAG 2.5.3 (label in name), so the visible text names it instead.
+ */
+(function () {
+  function nameByText() {
+    document.querySelectorAll('details > summary[aria-label="Toggle hidden content"]')
+      .forEach(function (summary) { summary.removeAttribute('aria-label'); });
+  }
+  if (document.readyState === 'loading') {
+    document.addEventListener('DOMContentLoaded', nameByText);
+  } else {
+    nameByText();
+  }
+})();

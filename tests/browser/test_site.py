@@ -861,13 +861,17 @@ SEARCHES = {
     },
     # torch.amp.GradScaler: the skip chapter ("How GradScaler skips"), the mistake of
     # clipping before unscale_ in the corrections, the closing chapter's table, and the
-    # mixed-precision chapter's recipe; the notation page (the loss scale) and the page
-    # for instructors (an exercise on it)
+    # mixed-precision chapter's recipe; accumulation with GradScaler (MicroBatchAccumulator's
+    # scaler=), the trainers' own scalers, the library's API page; the notation page (the
+    # loss scale) and the page for instructors (an exercise on it)
     "GradScaler": {
         "book/training/skip_step",
         "book/appendix/corrections",
         "book/training/which_control",
         "book/scale/mixed_precision",
+        "book/scale/accumulation_distributed",
+        "book/scale/trainers",
+        "book/appendix/api",
         "book/notation",
         "book/instructors",
     },
