@@ -30,8 +30,10 @@ BOOK = ROOT / "gradlab-book"
 DATA = BOOK / "gradlab_book" / "data"
 #: The chapters that read stored data (test_the_list_of_chapters_that_read_data_is_complete).
 DATA_CHAPTERS = (
+    "book/training/skip_step",
     "book/training/clip_vs_ignore",
     "book/training/rnn_long_dependency",
+    "book/training/costs",
     "book/adaptive/adaptive_thresholds",
     "book/adaptive/choosing_threshold",
     "book/adaptive/loss_spikes",
