@@ -787,6 +787,14 @@ _OVERFLOW_JS = """
     const scrolls = clip && ['auto', 'scroll'].includes(getComputedStyle(clip).overflowX);
     if (clip && clip !== document.body && clip.closest(scrollers) && scrolls
         && box.left >= -1 && box.right <= vw + 1) { continue; }
+    // A clipping box inside a scrolling table or code block (an inline formula's span in
+    // a table cell): the nearest scrolling container that fits the window holds it.
+    let holder = el.parentElement && el.parentElement.closest(scrollers);
+    while (holder && !['auto', 'scroll'].includes(getComputedStyle(holder).overflowX)) {
+      holder = holder.parentElement && holder.parentElement.closest(scrollers);
+    }
+    const held = holder && holder.getBoundingClientRect();
+    if (held && held.left >= -1 && held.right <= vw + 1) { continue; }
     loose.push(`${name(el)} spans x ${Math.round(r.left)}..${Math.round(r.right)}`
       + (clip ? ` in ${name(clip)}` : ''));
   }
