@@ -50,8 +50,8 @@ def _torch_range() -> str:
 
 
 SETUP_SOURCE = """\
-# A fresh kernel (Colab, a downloaded notebook): make gradlab and gradlab_book importable.
-# Silent if they are.
+# A fresh kernel (Colab, a downloaded notebook): make gradlab and
+# gradlab_book importable. Silent if they are.
 import importlib.util
 import pathlib
 import subprocess
@@ -60,25 +60,29 @@ import tempfile
 
 if importlib.util.find_spec("gradlab_book") is None:
     here = pathlib.Path.cwd().resolve()
-    roots = (here, *here.parents)
-    clone = [p for p in roots if (p / "gradlab-book" / "gradlab_book").is_dir()]
+    book_dir = pathlib.Path("gradlab-book", "gradlab_book")
+    clone = [p for p in (here, *here.parents) if (p / book_dir).is_dir()]
     url = "git+https://github.com/gradlab/gradlab"
     if clone:  # a clone of the repository: use its code
         sys.path[:0] = [str(clone[0]), str(clone[0] / "gradlab-book")]
     elif importlib.util.find_spec("torch") is None:
-        print("This kernel has no torch: install TORCH_RANGE, then rerun this cell.")
-    else:  # Colab: install against the torch it has, never a second (CUDA) build
+        print("This kernel has no torch: install TORCH_RANGE,")
+        print("then rerun this cell.")
+    else:  # Colab: use the torch it has, never a second (CUDA) build
         import torch
 
         keep = pathlib.Path(tempfile.mkdtemp()) / "torch.txt"
         keep.write_text(f"torch=={torch.__version__}\\n")
         book = f"gradlab-book @ {url}#subdirectory=gradlab-book"
-        pip = [sys.executable, "-m", "pip", "install", "-q", "-c", str(keep)]
-        if subprocess.run([*pip, f"gradlab @ {url}", book], capture_output=True).returncode:
+        pip = [sys.executable, "-m", "pip", "install", "-q"]
+        pip += ["-c", str(keep), f"gradlab @ {url}", book]
+        if subprocess.run(pip, capture_output=True).returncode:
             print(
-                "Could not install gradlab and gradlab-book for this kernel's torch "
-                f"{torch.__version__}: they need TORCH_RANGE and a network connection, "
-                "so open the chapter on Binder, or install TORCH_RANGE and rerun this cell."
+                "Could not install gradlab and gradlab-book for this "
+                f"kernel's torch {torch.__version__}: they need "
+                "TORCH_RANGE and a network connection, so open the "
+                "chapter on Binder, or install TORCH_RANGE and rerun "
+                "this cell."
             )
         importlib.invalidate_caches()\
 """.replace("TORCH_RANGE", _torch_range())
