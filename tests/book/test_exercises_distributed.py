@@ -215,26 +215,16 @@ def _parallel_mutates(ranks, p):
     return value
 
 
-@pytest.mark.parametrize("fn", [_parallel_correct, _parallel_powers])
-def test_parallel_norm_accepts_correct_answers(fn, capsys):
-    assert_passes(check_parallel_norm, fn, capsys)
-
-
-@pytest.mark.parametrize(
-    "fn, fragments",
-    [
-        (_parallel_every_copy, ["Case 1 of 9", "every copy counted", "count them on"]),
-        (_parallel_first_stage, ["Case 2 of 9", "every stage's entries count"]),
-        (_parallel_copies_once, ["Case 2 of 9", "expected:"]),
-        (_parallel_by_position, ["Case 7 of 9", "out of order", "'tp' entry"]),
-        (_parallel_norms_over_tp, ["Case 1 of 9", "expected:"]),
-        (_parallel_python_max, ["Case 9 of 9", "NaN", "expected: nan"]),
-        (_parallel_mutates, ["changed ranks"]),
-    ],
-    ids=lambda x: getattr(x, "__name__", ""),
-)
-def test_parallel_norm_rejects(fn, fragments, capsys):
-    assert_fails(check_parallel_norm, fn, capsys, *fragments)
+PARALLEL_CORRECT = [_parallel_correct, _parallel_powers]
+PARALLEL_WRONG = [
+    (_parallel_every_copy, ["Case 1 of 9", "every copy counted", "count them on"]),
+    (_parallel_first_stage, ["Case 2 of 9", "every stage's entries count"]),
+    (_parallel_copies_once, ["Case 2 of 9", "expected:"]),
+    (_parallel_by_position, ["Case 7 of 9", "out of order", "'tp' entry"]),
+    (_parallel_norms_over_tp, ["Case 1 of 9", "expected:"]),
+    (_parallel_python_max, ["Case 9 of 9", "NaN", "expected: nan"]),
+    (_parallel_mutates, ["changed ranks"]),
+]
 
 
 def test_expected_parallel_norm_counts_each_entry_once():
@@ -256,12 +246,19 @@ def _acc_loss(model, x, y, a):
     return nn.functional.mse_loss(out.float(), y) / a
 
 
-def acc_gradlab(model, optimizer, scaler, micro_batches, max_norm):
+def _accumulate_scaled(model, optimizer, scaler, micro_batches, max_norm, loss_divisor=None):
+    # the accumulation every answer below shares (the accumulator holds the scaler and
+    # unscales at finish_); the answers differ in how they step. Returns the kept count.
+    divisor = len(micro_batches) if loss_divisor is None else loss_divisor
     acc = gradlab.MicroBatchAccumulator(model.parameters(), max_norm, scaler=scaler)
     for x, y in micro_batches:
-        scaler.scale(_acc_loss(model, x, y, len(micro_batches))).backward()
+        scaler.scale(_acc_loss(model, x, y, divisor)).backward()
         acc.add_()
-    kept = acc.finish_(optimizer)
+    return acc.finish_(optimizer)
+
+
+def acc_gradlab(model, optimizer, scaler, micro_batches, max_norm):
+    kept = _accumulate_scaled(model, optimizer, scaler, micro_batches, max_norm)
     gradlab.step_if_(optimizer, kept > 0, sync=False)
     scaler.update()
     optimizer.zero_grad()
@@ -306,76 +303,46 @@ def acc_old_recipe(model, optimizer, scaler, micro_batches, max_norm):
 
 
 def acc_optimizer_step(model, optimizer, scaler, micro_batches, max_norm):
-    acc = gradlab.MicroBatchAccumulator(model.parameters(), max_norm, scaler=scaler)
-    for x, y in micro_batches:
-        scaler.scale(_acc_loss(model, x, y, len(micro_batches))).backward()
-        acc.add_()
-    kept = acc.finish_(optimizer)
+    kept = _accumulate_scaled(model, optimizer, scaler, micro_batches, max_norm)
     optimizer.step()  # a zero gradient when none is kept: zeroing, not skipping
     scaler.update()
     return kept
 
 
 def acc_scaler_step(model, optimizer, scaler, micro_batches, max_norm):
-    acc = gradlab.MicroBatchAccumulator(model.parameters(), max_norm, scaler=scaler)
-    for x, y in micro_batches:
-        scaler.scale(_acc_loss(model, x, y, len(micro_batches))).backward()
-        acc.add_()
-    kept = acc.finish_(optimizer)
+    kept = _accumulate_scaled(model, optimizer, scaler, micro_batches, max_norm)
     scaler.step(optimizer)  # skips on an inf, steps on the zero gradient otherwise
     scaler.update()
     return kept
 
 
 def acc_no_update(model, optimizer, scaler, micro_batches, max_norm):
-    acc = gradlab.MicroBatchAccumulator(model.parameters(), max_norm, scaler=scaler)
-    for x, y in micro_batches:
-        scaler.scale(_acc_loss(model, x, y, len(micro_batches))).backward()
-        acc.add_()
-    kept = acc.finish_(optimizer)
+    kept = _accumulate_scaled(model, optimizer, scaler, micro_batches, max_norm)
     gradlab.step_if_(optimizer, kept > 0, sync=False)
     return kept
 
 
 def acc_loss_not_divided(model, optimizer, scaler, micro_batches, max_norm):
-    acc = gradlab.MicroBatchAccumulator(model.parameters(), max_norm, scaler=scaler)
-    for x, y in micro_batches:
-        scaler.scale(_acc_loss(model, x, y, 1)).backward()
-        acc.add_()
-    kept = acc.finish_(optimizer)
+    kept = _accumulate_scaled(model, optimizer, scaler, micro_batches, max_norm, loss_divisor=1)
     gradlab.step_if_(optimizer, kept > 0, sync=False)
     scaler.update()
     return kept
 
 
-@pytest.mark.parametrize("fn", [acc_gradlab, acc_by_hand])
-def test_accumulate_fp16_accepts_correct_answers(fn, capsys):
-    assert_passes(check_accumulate_fp16, fn, capsys)
-
-
-@pytest.mark.parametrize(
-    "fn, fragments",
-    [
-        (acc_old_recipe, ["Case 1 of 5", "expected 4 micro-batches kept", "unscaled"]),
-        (acc_optimizer_step, ["Case 4 of 5", "the parameters moved", "zeroing is not skipping"]),
-        (acc_scaler_step, ["Case 3 of 5", "skipped the step", "3 micro-batches were kept"]),
-        (acc_no_update, ["Case 3 of 5", "scale is 4096", "expected 2048"]),
-        (acc_loss_not_divided, ["Case 1 of 5", "expected 4 micro-batches kept"]),
-    ],
-    ids=lambda x: getattr(x, "__name__", ""),
-)
-def test_accumulate_fp16_rejects(fn, fragments, capsys):
-    assert_fails(check_accumulate_fp16, fn, capsys, *fragments)
+FP16_CORRECT = [acc_gradlab, acc_by_hand]
+FP16_WRONG = [
+    (acc_old_recipe, ["Case 1 of 5", "expected 4 micro-batches kept", "unscaled"]),
+    (acc_optimizer_step, ["Case 4 of 5", "the parameters moved", "zeroing is not skipping"]),
+    (acc_scaler_step, ["Case 3 of 5", "skipped the step", "3 micro-batches were kept"]),
+    (acc_no_update, ["Case 3 of 5", "scale is 4096", "expected 2048"]),
+    (acc_loss_not_divided, ["Case 1 of 5", "expected 4 micro-batches kept"]),
+]
 
 
 def test_accumulate_fp16_rejects_a_step_without_the_rescaling(capsys):
     # the accumulator's A / kept left out: the mean of three becomes three quarters of it
     def short(model, optimizer, scaler, micro_batches, max_norm):
-        acc = gradlab.MicroBatchAccumulator(model.parameters(), max_norm, scaler=scaler)
-        for x, y in micro_batches:
-            scaler.scale(_acc_loss(model, x, y, len(micro_batches))).backward()
-            acc.add_()
-        kept = acc.finish_(optimizer)
+        kept = _accumulate_scaled(model, optimizer, scaler, micro_batches, max_norm)
         with torch.no_grad():
             for p in model.parameters():
                 p.grad *= kept / len(micro_batches)
@@ -384,3 +351,28 @@ def test_accumulate_fp16_rejects_a_step_without_the_rescaling(capsys):
         return kept
 
     assert_fails(check_accumulate_fp16, short, capsys, "Case 2 of 5", "0.75", "A / kept")
+
+
+# ------------------------------------------------------- verdicts on the tables above
+
+
+def _case_id(x):
+    return getattr(x, "__name__", "")
+
+
+CORRECT_ANSWERS = [(check_parallel_norm, fn) for fn in PARALLEL_CORRECT] + [
+    (check_accumulate_fp16, fn) for fn in FP16_CORRECT
+]
+WRONG_ANSWERS = [(check_parallel_norm, *case) for case in PARALLEL_WRONG] + [
+    (check_accumulate_fp16, *case) for case in FP16_WRONG
+]
+
+
+@pytest.mark.parametrize("check, fn", CORRECT_ANSWERS, ids=_case_id)
+def test_accepts_correct_answers(check, fn, capsys):
+    assert_passes(check, fn, capsys)
+
+
+@pytest.mark.parametrize("check, fn, fragments", WRONG_ANSWERS, ids=_case_id)
+def test_rejects_wrong_answers(check, fn, fragments, capsys):
+    assert_fails(check, fn, capsys, *fragments)
