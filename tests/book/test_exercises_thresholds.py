@@ -159,16 +159,23 @@ def test_window_cases_hold_what_they_say():
 # -------------------------------------------------------------------- ZClip step
 
 
+def _zclip_answer(threshold, x, mean, var, alpha, clip_at):
+    # The answers' common end: the threshold they report, and the EMA of x clipped at
+    # clip_at (where an answer clips is where several of them go wrong); a non-finite x
+    # leaves the statistics as they were.
+    if not math.isfinite(x):
+        return threshold, mean, var
+    x_hat = min(x, clip_at)
+    new_mean = alpha * mean + (1 - alpha) * x_hat
+    return threshold, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+
+
 def zclip_math(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
     std = math.sqrt(var)
     z = (x - mean) / (std + eps)
     tau = mean + z_thresh**2 * std / z if z > z_thresh else math.inf
     capped = tau if max_norm is None else min(tau, max_norm)
-    if not math.isfinite(x):
-        return capped, mean, var
-    x_hat = min(x, tau)
-    new_mean = alpha * mean + (1 - alpha) * x_hat
-    return capped, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+    return _zclip_answer(capped, x, mean, var, alpha, clip_at=tau)
 
 
 def zclip_torch(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
@@ -230,21 +237,13 @@ def _zclip_le_test(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=No
     z = (x - mean) / (std + eps)
     tau = math.inf if z <= z_thresh else mean + z_thresh**2 * std / z
     capped = tau if max_norm is None else min(tau, max_norm)
-    if not math.isfinite(x):
-        return capped, mean, var
-    x_hat = min(x, tau)
-    new_mean = alpha * mean + (1 - alpha) * x_hat
-    return capped, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+    return _zclip_answer(capped, x, mean, var, alpha, clip_at=tau)
 
 
 # The review's wrong answers (book-review-2026-12-b-parts-IV-V, section 4), written out.
 def _feeds_the_boundary(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
     tau, _, _ = zclip_math(x, mean, var, alpha, z_thresh, eps, max_norm)
-    if not math.isfinite(x):
-        return tau, mean, var
-    x_hat = min(x, mean + z_thresh * math.sqrt(var))
-    new_mean = alpha * mean + (1 - alpha) * x_hat
-    return tau, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+    return _zclip_answer(tau, x, mean, var, alpha, clip_at=mean + z_thresh * math.sqrt(var))
 
 
 def _eps_in_the_root(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
@@ -252,11 +251,7 @@ def _eps_in_the_root(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=
     z = (x - mean) / std
     tau = mean + z_thresh**2 * std / z if z > z_thresh else math.inf
     capped = tau if max_norm is None else min(tau, max_norm)
-    if not math.isfinite(x):
-        return capped, mean, var
-    x_hat = min(x, tau)
-    new_mean = alpha * mean + (1 - alpha) * x_hat
-    return capped, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+    return _zclip_answer(capped, x, mean, var, alpha, clip_at=tau)
 
 
 def _inf_meets_no_threshold(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
@@ -277,11 +272,7 @@ def _ema_before_threshold(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_
 
 def _feeds_the_capped_threshold(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6, max_norm=None):
     tau, _, _ = zclip_math(x, mean, var, alpha, z_thresh, eps, max_norm)
-    if not math.isfinite(x):
-        return tau, mean, var
-    x_hat = min(x, tau)
-    new_mean = alpha * mean + (1 - alpha) * x_hat
-    return tau, new_mean, alpha * var + (1 - alpha) * (x_hat - new_mean) ** 2
+    return _zclip_answer(tau, x, mean, var, alpha, clip_at=tau)
 
 
 def _without_max_norm(x, mean, var, alpha=0.97, z_thresh=2.5, eps=1e-6):
