@@ -32,28 +32,45 @@ def _viewable(ts):
     )
 
 
+def _offset_in_base(t):
+    return t.storage_offset() - t._base.storage_offset()
+
+
+def _runs(base, spans):
+    # the views of base over sorted, non-overlapping [start, end) spans: one run per
+    # stretch without a gap
+    flat = base.view(-1)
+    out = []
+    begin, end = spans[0]
+    for s, e in spans[1:]:
+        if s != end:
+            out.append(flat[begin:end])
+            begin = s
+        end = e
+    out.append(flat[begin:end])
+    return out
+
+
+def _spans_by_base(ts, length):
+    # each base with the [start, end) spans of its views, in list order
+    groups = {}
+    for t in ts:
+        start = _offset_in_base(t)
+        groups.setdefault(id(t._base), (t._base, []))[1].append((start, start + length(t)))
+    return groups.values()
+
+
 def by_offsets(tensors):
     """Sort each base's views by offset; a new run wherever one does not start at the end."""
     ts = list(tensors)
     if not _viewable(ts):
         return ts
-    groups = {}
-    for t in ts:
-        start = t.storage_offset() - t._base.storage_offset()
-        groups.setdefault(id(t._base), (t._base, []))[1].append((start, start + t.numel()))
     out = []
-    for base, spans in groups.values():
+    for base, spans in _spans_by_base(ts, torch.Tensor.numel):
         spans.sort()
         if any(s < e for (_, e), (s, _) in itertools.pairwise(spans)):
             return ts
-        flat = base.view(-1)
-        begin, end = spans[0]
-        for s, e in spans[1:]:
-            if s != end:
-                out.append(flat[begin:end])
-                begin = s
-            end = e
-        out.append(flat[begin:end])
+        out += _runs(base, spans)
     return out
 
 
@@ -66,7 +83,7 @@ def by_marks(tensors):
     for t in ts:
         base = t._base
         count = marks.setdefault(id(base), (base, [0] * base.numel()))[1]
-        start = t.storage_offset() - base.storage_offset()
+        start = _offset_in_base(t)
         for i in range(start, start + t.numel()):
             count[i] += 1
     if any(c > 1 for _, count in marks.values() for c in count):
@@ -133,7 +150,7 @@ def test_unsorted_runs_are_rejected(capsys):
             return ts
         out, begin, end, base = [], None, None, None
         for t in ts:
-            start = t.storage_offset() - t._base.storage_offset()
+            start = _offset_in_base(t)
             if base is t._base and start == end:
                 end = start + t.numel()
                 continue
@@ -151,12 +168,11 @@ def test_merging_across_a_gap_is_rejected(capsys):
         ts = list(tensors)
         if not _viewable(ts):
             return ts
-        groups = {}
-        for t in ts:
-            start = t.storage_offset() - t._base.storage_offset()
-            lo, hi = groups.get(id(t._base), (t._base, start, start))[1:]
-            groups[id(t._base)] = (t._base, min(lo, start), max(hi, start + t.numel()))
-        return [b.view(-1)[lo:hi] for b, lo, hi in groups.values()]
+        # one view per base, from its views' lowest start to their highest end
+        return [
+            base.view(-1)[min(s for s, _ in spans) : max(e for _, e in spans)]
+            for base, spans in _spans_by_base(ts, torch.Tensor.numel)
+        ]
 
     assert_fails(check_coalesce_views, span, capsys, "Case 3 of", "does not cover")
 
@@ -175,21 +191,10 @@ def test_merging_a_strided_view_is_rejected(capsys):
         ts = list(tensors)
         if len(ts) < 2 or any(t._base is None for t in ts):
             return ts
-        groups = {}
-        for t in ts:  # a view's span, from its first entry to its last
-            start = t.storage_offset() - t._base.storage_offset()
-            end = start + (t.numel() - 1) * t.stride(-1) + 1
-            groups.setdefault(id(t._base), (t._base, []))[1].append((start, end))
         out = []
-        for base, spans in groups.values():
-            spans.sort()
-            begin, end = spans[0]
-            for s, e in spans[1:]:
-                if s != end:
-                    out.append(base.view(-1)[begin:end])
-                    begin = s
-                end = e
-            out.append(base.view(-1)[begin:end])
+        # a view's span taken from its first entry to its last
+        for base, spans in _spans_by_base(ts, lambda t: (t.numel() - 1) * t.stride(-1) + 1):
+            out += _runs(base, sorted(spans))
         return out
 
     assert_fails(check_coalesce_views, no_contiguity_check, capsys, "Case 8 of", "does not cover")
