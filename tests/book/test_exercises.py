@@ -60,14 +60,23 @@ def _norm_dtype(grads):
     return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
 
 
+def _zero_unless(keep, grads):
+    # keep is a 0-dim bool tensor: decided and applied on the device, no host read
+    for g in grads:
+        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+
+
+def _ignore_over(grads, total, max_norm):
+    # the chapter's rule, keep if max_norm / (total + 1e-6) >= 1, in total's dtype
+    _zero_unless(max_norm / (total + 1e-6) >= 1.0, grads)
+
+
 def ref_grad_ignore_norm_(parameters, max_norm, norm_type=2.0):
     # The rule in the norm's dtype (float32 unless a gradient is float64), as gradlab
     # documents it: in float32, (30, 40) at max_norm 50 is kept (50 + 1e-6 == 50).
     grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type).to(_norm_dtype(grads))
-    keep = max_norm / (total + 1e-6) >= 1.0
-    for g in grads:
-        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    _ignore_over(grads, total, max_norm)
     return total
 
 
@@ -287,17 +296,15 @@ def _nan_hole_where_gt(parameters, max_norm, norm_type=2.0):
 def _ignore_norm_some_tensors(parameters, max_norm, norm_type=2.0):
     grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
-    keep = max_norm / (total + 1e-6) >= 1.0
-    grads[0].copy_(torch.where(keep, grads[0], torch.zeros_like(grads[0])))
+    _ignore_over([grads[0]], total, max_norm)
     return total
 
 
 def _ignore_norm_per_tensor(parameters, max_norm, norm_type=2.0):
     grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type)
-    for g in grads:
-        keep = max_norm / (torch.linalg.vector_norm(g, norm_type) + 1e-6) >= 1.0
-        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    for g in grads:  # each tensor by its own norm
+        _ignore_over([g], torch.linalg.vector_norm(g, norm_type), max_norm)
     return total
 
 
@@ -305,9 +312,7 @@ def _ignore_norm_none_crash(parameters, max_norm, norm_type=2.0):
     params = _plist(parameters)
     grads = [p.grad for p in params]
     total = ref_total_norm(grads, norm_type)  # crashes on None
-    keep = max_norm / (total + 1e-6) >= 1.0
-    for g in grads:
-        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    _ignore_over(grads, total, max_norm)
     return total
 
 
@@ -344,17 +349,13 @@ def _ignore_norm_empty_crash(parameters, max_norm, norm_type=2.0):
     grads = _grads(parameters)
     flat = torch.cat([g.reshape(-1).double() for g in grads])  # fails on []
     total = torch.linalg.vector_norm(flat, norm_type)
-    keep = max_norm / (total + 1e-6) >= 1.0
-    for g in grads:
-        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    _ignore_over(grads, total, max_norm)
     return total
 
 
 def _ignore_norm_generator_twice(parameters, max_norm, norm_type=2.0):
     total = ref_total_norm(_grads(parameters), norm_type)
-    keep = max_norm / (total + 1e-6) >= 1.0
-    for g in _grads(parameters):  # a generator is empty by now
-        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    _ignore_over(_grads(parameters), total, max_norm)  # a generator is empty by now
     return total
 
 
@@ -390,9 +391,7 @@ def _ignore_norm_keep_if_le(parameters, max_norm, norm_type=2.0):
     # Right in every other way, but "keep if the norm <= max_norm": no 1e-6.
     grads = _grads(parameters)
     total = ref_total_norm(grads, norm_type).to(_norm_dtype(grads))
-    keep = total <= max_norm
-    for g in grads:
-        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    _zero_unless(total <= max_norm, grads)
     return total
 
 
@@ -400,9 +399,7 @@ def _ignore_norm_decides_in_float64(parameters, max_norm, norm_type=2.0):
     # The chapter's rule, but evaluated in float64 for float32 gradients.
     grads = _grads(parameters)
     total64 = ref_total_norm(grads, norm_type)
-    keep = max_norm / (total64 + 1e-6) >= 1.0
-    for g in grads:
-        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    _ignore_over(grads, total64, max_norm)
     return total64.to(_norm_dtype(grads))
 
 
@@ -418,9 +415,7 @@ def _norms_in_16_bits(grads, norm_type):
 def _ignore_norm_norms_in_16_bits(parameters, max_norm, norm_type=2.0):
     grads = _grads(parameters)
     total = _norms_in_16_bits(grads, norm_type)
-    keep = max_norm / (total + 1e-6) >= 1.0
-    for g in grads:
-        g.copy_(torch.where(keep, g, torch.zeros_like(g)))
+    _ignore_over(grads, total, max_norm)
     return total
 
 
