@@ -51,6 +51,20 @@ def _run(name, batches, *, sync=None, hooks=False, python_bool=False, closure_op
     return model, opt, log
 
 
+def _host_reads_per_step(model, opt, batches, sync):
+    """Train through step_if_ with the independent keep; the host reads each step_if_
+    call made (the backward pass and the keep decision are outside the count)."""
+    counts = []
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        keep = _keep(model)
+        with HostReadCounter() as counter:
+            step_if_(opt, keep, sync=sync)
+        counts.append(counter.count)
+    return counts
+
+
 STREAM = ("big", None, None, "nan", None, "big")  # the first step is skipped: no state yet
 
 
@@ -139,14 +153,7 @@ def test_host_reads_are_the_documented_ones(name, reads, sync):
     parameter); sync=False: none but the optimizer's own, after the first step."""
     model = model_for(name)
     opt = OPTIMIZERS[name][0](model.parameters())
-    counts = []
-    for x, y in batches_of(4):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        keep = _keep(model)
-        with HostReadCounter() as counter:
-            step_if_(opt, keep, sync=sync)
-        counts.append(counter.count)
+    counts = _host_reads_per_step(model, opt, batches_of(4), sync)
     expected = reads if sync else [n - 1 for n in reads]
     assert counts[1:] == expected
 
@@ -273,14 +280,7 @@ def test_fused_in_every_param_group_is_taken_as_fused():
     opt = torch.optim.AdamW([group], lr=0.01, weight_decay=0.1)  # as OPTIMIZERS["AdamW-fused"]
     assert not getattr(opt, "_step_supports_amp_scaling", False)
     stream, kept = _streams()
-    reads = []
-    for x, y in stream:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        keep = _keep(model)
-        with HostReadCounter() as counter:
-            step_if_(opt, keep, sync=False)
-        reads.append(counter.count)
+    reads = _host_reads_per_step(model, opt, stream, sync=False)
     assert snapshot_buffers(opt) == []  # the fused path: nothing copied
     assert reads[2:] == [0] * (len(stream) - 2)  # after the first taken step
     ref = _run("AdamW-fused", kept)
