@@ -198,7 +198,8 @@ def forward(params: Sequence[Tensor], x: Tensor) -> Tensor:
     """
     w_ih, w_hh, b_ih, b_hh, v, b_y = params
     pre = torch.matmul(x if x.dim() == 4 else x.unsqueeze(0), w_ih.transpose(1, 2).unsqueeze(1))
-    pre = pre + (b_ih + b_hh)[:, None, None, :]
+    # Each bias added on its own: (b_ih + b_hh) would give both one gradient storage.
+    pre = pre + b_ih[:, None, None, :] + b_hh[:, None, None, :]
     w_t = w_hh.transpose(1, 2)
     h = torch.zeros(pre.shape[0], pre.shape[1], pre.shape[3], dtype=pre.dtype)
     for t in range(pre.shape[2]):
