@@ -595,6 +595,11 @@ def _nearest(value: float, choices: Sequence[int]) -> int:
     return min(choices, key=lambda c: abs(math.log(c) - math.log(value)))
 
 
+def _nearest_title(title: str, shown: int, asked: float) -> str:
+    """``title``, saying which count was asked for when the nearest measured one is shown."""
+    return title if shown == asked else f"{title} (nearest measured to {asked})"
+
+
 def tensor_count_figure(n_tensors: float, bench: Bench, family: str = "clip") -> Figure:
     """Time per call against the number of tensors (left), and every variant at
     ``n_tensors`` (right), from the stored ``bench_flat.json``.
@@ -643,10 +648,7 @@ def tensor_count_figure(n_tensors: float, bench: Bench, family: str = "clip") ->
     right.set_xscale("log")
     right.set_xlim(min(values) / 2, max(values) * 6)
     right.set_xlabel("µs per call (x one norm of one buffer)")
-    title = f"{family}: {shown} tensors"
-    if shown != n_tensors:
-        title += f" (nearest measured to {n_tensors})"
-    right.set_title(title, fontsize=9)
+    right.set_title(_nearest_title(f"{family}: {shown} tensors", shown, n_tensors), fontsize=9)
     return fig
 
 
@@ -784,7 +786,5 @@ def sweep_figure(n_tensors: float, sweep: Sweep) -> Figure:
         ax.set_xlim(shown_values.min() / 2, shown_values.max() * 30)
     ax.set_xlabel("time per call (ms, fastest block, log scale)")
     title = f"{shown} tensors, {sweep.n_elements:,} numbers in all"
-    if shown != n_tensors:
-        title += f" (nearest measured to {n_tensors})"
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_nearest_title(title, shown, n_tensors), fontsize=10)
     return fig
