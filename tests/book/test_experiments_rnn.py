@@ -1,7 +1,7 @@
 """The stored RNN sweep reproduces: a prefix of one group of runs, the thresholds, the grid.
 
 ``rnn_long_dependency.json`` (:mod:`gradlab_book.stored`) is written by
-``experiments/rnn_long_dependency.py`` (about nine minutes of CPU time). Here a few seconds
+``experiments/rnn_long_dependency.py`` (about two minutes of CPU time). Here a few seconds
 rerun the first steps of one (length, seed) group, every learning rate and control, and
 the calibration of one length, and compare them with the file: bit for bit on the
 platform that wrote it, within ``RTOL`` elsewhere (``experiment_scripts``). A 1 % change
