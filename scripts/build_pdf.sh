@@ -66,16 +66,34 @@ out=_build/pdf
 rm -rf "$out"
 mkdir -p "$out"
 
-t0=$SECONDS
-.venv/bin/jupyter-book build . --builder pdflatex --path-output "$out/work" -W -n --keep-going
-cp "$out/work/_build/latex/gradlab.pdf" "$out/work/_build/latex/gradlab.log" "$out/"
-echo "gradlab.pdf: $((SECONDS - t0)) s"
-
-t0=$SECONDS
-.venv/bin/python -m booktools.student_edition "$out/student" --root . --no-html --pdf \
-  >/dev/null
-cp "$out/student/pdf/gradlab-student.pdf" "$out/student/pdf/gradlab-student.log" "$out/"
-echo "gradlab-student.pdf: $((SECONDS - t0)) s"
+# The two editions build side by side (each is one Sphinx and one XeLaTeX process), each
+# with its output in a log that is printed if it fails.
+build_edition() {
+  t0=$SECONDS
+  .venv/bin/jupyter-book build . --builder pdflatex --path-output "$out/work" -W -n \
+    --keep-going
+  cp "$out/work/_build/latex/gradlab.pdf" "$out/work/_build/latex/gradlab.log" "$out/"
+  echo "gradlab.pdf: $((SECONDS - t0)) s"
+}
+build_student_edition() {
+  t0=$SECONDS
+  .venv/bin/python -m booktools.student_edition "$out/student" --root . --no-html --pdf
+  cp "$out/student/pdf/gradlab-student.pdf" "$out/student/pdf/gradlab-student.log" "$out/"
+  echo "gradlab-student.pdf: $((SECONDS - t0)) s"
+}
+build_edition >"$out/edition-build.txt" 2>&1 &
+edition=$!
+build_student_edition >"$out/student-build.txt" 2>&1 &
+student=$!
+failed=()
+wait "$edition" || failed+=("$out/edition-build.txt")
+wait "$student" || failed+=("$out/student-build.txt")
+for log in "${failed[@]}"; do
+  echo "== the build in $log failed; its last lines:" >&2
+  tail -n 60 "$log" >&2
+done
+[ ${#failed[@]} -eq 0 ] || exit 1
+tail -n 1 "$out/edition-build.txt" "$out/student-build.txt" | grep '\.pdf:'
 
 for pdf in "$out/gradlab.pdf" "$out/gradlab-student.pdf"; do
   pages=$(pdfinfo "$pdf" | awk '/^Pages:/ {print $2}')
