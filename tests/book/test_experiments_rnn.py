@@ -1,11 +1,12 @@
 """The stored RNN sweep reproduces: a prefix of one group of runs, the thresholds, the grid.
 
 ``rnn_long_dependency.json`` (:mod:`gradlab_book.stored`) is written by
-``experiments/rnn_long_dependency.py`` (about two minutes of CPU time). Here a few seconds
-rerun the first steps of one (length, seed) group, every learning rate and control, and
-the calibration of one length, and compare them with the file: bit for bit on the
-platform that wrote it, within ``RTOL`` elsewhere (``experiment_scripts``). A 1 % change
-of the learning rate, or another seed, moves the same numbers by more than ``RTOL``.
+``experiments/rnn_long_dependency.py`` (about three and a half minutes of CPU time). Here
+some seconds rerun the first steps of one (length, seed) group, every learning rate and
+control, and the calibration of every length (T = 20, 30, 50), and compare them with the
+file: bit for bit on the platform that wrote it, within ``RTOL`` elsewhere
+(``experiment_scripts``). A 1 % change of the learning rate, or another seed, moves the
+same numbers by more than ``RTOL``.
 """
 
 from __future__ import annotations
@@ -108,9 +109,11 @@ def test_a_real_change_falls_outside_the_tolerance(data, script, rerun, change):
     experiment_scripts.assert_outside(_numbers(changed, True), _numbers(rerun, True), RTOL)
 
 
-def test_the_thresholds_reproduce(data):
-    again = rnn.calibrate(LENGTH, data["setup"])
-    stored = data["thresholds"][str(LENGTH)]
+@pytest.mark.parametrize("length", [20, 30, 50])
+def test_the_thresholds_reproduce(data, script, length):
+    assert length in script.LENGTHS
+    again = rnn.calibrate(length, data["setup"])
+    stored = data["thresholds"][str(length)]
     keys = ["norm", "value", "zero", "skip"]
     experiment_scripts.assert_prefix_reproduces(
         [again[k] for k in keys], [stored[k] for k in keys], data, RTOL
