@@ -37,8 +37,13 @@ make_env() {
   "$env/bin/python" -m pip install --quiet --no-deps -r "$requirements"
   "$env/bin/python" -m pip install --quiet --no-deps -e .
 }
-make_env .venv-torch-2.14 requirements-torch-2.14.txt 2.14.1
-make_env .venv-integrations requirements-integrations.txt 2.13.0
+# They install (several GB, mostly unpacking) while the rest below runs; one after the
+# other, since each installs the library editable from this folder.
+{
+  make_env .venv-torch-2.14 requirements-torch-2.14.txt 2.14.1
+  make_env .venv-integrations requirements-integrations.txt 2.13.0
+} &
+other_envs=$!
 
 source scripts/system_deps.sh
 install_system_deps
@@ -52,4 +57,8 @@ echo "The book is in _build/html/index.html"
 if [ "${GRADLAB_PDF:-1}" != 0 ]; then
   bash scripts/build_pdf.sh
 fi
+wait "$other_envs" || {
+  echo "Installing .venv-torch-2.14 or .venv-integrations failed (pip's error is above)." >&2
+  exit 1
+}
 echo "Set-up and build: $((SECONDS - start)) s"

@@ -15,7 +15,10 @@
 #                  strict, on every notebook under book/
 #   book-numerics  the book suite again under another CPU's float kernels
 #                  (ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OPENBLAS_CORETYPE=Haswell):
-#                  the committed outputs must not depend on the machine that wrote them
+#                  the committed outputs must not depend on the machine that wrote them.
+#                  Every notebook and every module that computes a number; the modules
+#                  that only read files (launchers, MyST, headers, the status page, the
+#                  stored files' list, the student edition's stripping) run once, in book
 #   browser        tests/browser: the built site in Chromium
 #   pdf            tests/pdf: the PDF edition and the student PDF
 # `bash scripts/test.sh library book` runs only the suites named. Each suite's time is
@@ -77,6 +80,12 @@ run_suite() {
 second_numerics=(ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OPENBLAS_CORETYPE=Haswell)
 book_args=(-n 2 --dist loadfile tests/book book
   --nbval --nbval-current-env --nbval-sanitize-with tests/book/nbval_sanitize.cfg)
+structural_book_tests=(test_launchers test_myst_compat test_notebooks test_status_page
+  test_stored test_student_edition)
+numerics_args=("${book_args[@]}")
+for module in "${structural_book_tests[@]}"; do
+  numerics_args+=(--ignore "tests/book/$module.py")
+done
 
 if wants lint; then
   t0=$SECONDS
@@ -85,20 +94,21 @@ if wants lint; then
   timings+=("lint $((SECONDS - t0)) s")
 fi
 # Two workers; --dist loadfile keeps a module's multi-process world, and each notebook's
-# cells, together in one worker.
+# cells, together in one worker (packaging: the library's venv beside the book's).
+# The browser suite's conftest puts every test of one page in one group (loadgroup).
 wants library && run_suite library -n 2 --dist loadfile tests/lib
 wants library-torch-2.14 && PYTHON_ENV=.venv-torch-2.14 run_suite library-torch-2.14 \
   -n 2 --dist loadfile tests/lib
-wants packaging && run_suite packaging tests/packaging
+wants packaging && run_suite packaging -n 2 --dist loadfile tests/packaging
 wants integrations && PYTHON_ENV=.venv-integrations run_suite integrations tests/integrations
 wants assignments && run_suite assignments tests/assignments
 wants book && run_suite book "${book_args[@]}"
 if wants book-numerics; then
   suite_env=("${second_numerics[@]}")
-  run_suite book-numerics "${book_args[@]}"
+  run_suite book-numerics "${numerics_args[@]}"
   suite_env=()
 fi
-wants browser && run_suite browser tests/browser
+wants browser && run_suite browser -n 2 --dist loadgroup tests/browser
 wants pdf && run_suite pdf tests/pdf
 
 printf '%s\n' "== suite times:" "${timings[@]}"

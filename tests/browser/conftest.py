@@ -37,6 +37,8 @@ from booksite import (
     cdn_file,
     html_path,
     local_file,
+    merge_report,
+    report_to_json,
 )
 
 # ----------------------------------------------------------------------------- server
@@ -255,15 +257,55 @@ def report() -> dict:
 
 @pytest.fixture(scope="session")
 def screenshot_dir() -> Path:
-    if SCREENSHOTS.exists():
-        shutil.rmtree(SCREENSHOTS)
-    SCREENSHOTS.mkdir(parents=True)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     return SCREENSHOTS
 
 
+# ----------------------------------------------------------------------------- pytest -n
+# scripts/test.sh runs this suite on two workers (pytest -n 2 --dist loadgroup). Every
+# test of one page goes to one worker, so that each page is loaded once per reader; the
+# screenshots are emptied once, by the controller; each worker hands its part of the
+# report to the controller through a file, and the controller prints the summary.
+REPORT_PARTS = SCREENSHOTS.parent / "browser-report"
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config) -> None:
+    if not _is_worker(config):
+        for folder in (SCREENSHOTS, REPORT_PARTS):
+            if folder.exists():
+                shutil.rmtree(folder)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        params = getattr(item, "callspec", None)
+        doc = params.params.get("doc") if params is not None else None
+        if item.module.__name__ == "test_site" and doc is not None:
+            group = doc
+        else:  # one JupyterLab server, one demo page: a module's tests stay together
+            group = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_sessionfinish(session) -> None:
+    if _is_worker(session.config):
+        REPORT_PARTS.mkdir(parents=True, exist_ok=True)
+        worker = session.config.workerinput["workerid"]
+        (REPORT_PARTS / f"{worker}.json").write_text(report_to_json(REPORT))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
+    if REPORT_PARTS.is_dir():
+        for part in sorted(REPORT_PARTS.glob("*.json")):
+            merge_report(REPORT, part.read_text())
     weights = REPORT["weights"]
-    if not weights and not REPORT["screenshots"] and not REPORT["blocked"] and not REPORT["axe"]:
+    times = REPORT["jupyterlab_times"]
+    if not (weights or times or REPORT["screenshots"] or REPORT["blocked"] or REPORT["axe"]):
         return
     write = terminalreporter.write_line
     terminalreporter.section("gradlab browser tests")
@@ -287,3 +329,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
             write(f"    {mode:5} {impact:8} {rule}: {len(docs)} page(s), e.g. {docs[0]}")
     for url, count in sorted(REPORT["blocked"].items()):
         write(f"blocked external request ({count}x): {url}")
+    if times:
+        write("chapters in JupyterLab (Run All Cells, until the kernel is idle):")
+        for doc, seconds in times.items():
+            write(f"    {seconds:7.1f} s  {doc}")
+        total = sum(times.values())
+        write(f"    {total:7.1f} s  in all; screenshots: {SCREENSHOTS / 'jupyterlab'}")

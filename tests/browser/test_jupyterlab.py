@@ -41,7 +41,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from booksite import ROOT, SCREENSHOTS, toc_docnames
+from booksite import REPORT, ROOT, SCREENSHOTS, toc_docnames
 
 JUPYTERLAB_ROOT = Path(os.environ.get("GRADLAB_JUPYTERLAB_ROOT", ROOT)).resolve()
 SHOTS = SCREENSHOTS / "jupyterlab"
@@ -60,7 +60,7 @@ RAW_MYST = re.compile(r":::\s*\{|`{3}\s*\{|\{cite[:}]|\{doc\}|\{ref\}|\{numref\}
 RUN_TIMEOUT_S = 900  # one chapter's Run All Cells
 MOVE_TIMEOUT_MS = 60_000  # the kernel's redraw after a slider move
 
-TIMES: dict[str, float] = {}
+TIMES: dict[str, float] = REPORT["jupyterlab_times"]
 
 # JupyterLab's user settings for the test: its defaults (cell windowing included, as a
 # learner has it: jupyterlab-myst then renders a cell before the ones far below it), with
@@ -185,30 +185,9 @@ def _shut_down_kernels(base: str) -> None:
 
 @pytest.fixture(scope="session")
 def lab_shots(screenshot_dir) -> Path:
-    # After screenshot_dir, which empties test-artifacts/screenshots once per session.
+    # After screenshot_dir, which makes test-artifacts/screenshots (emptied once per run).
     SHOTS.mkdir(parents=True, exist_ok=True)
     return SHOTS
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _report_times(request):
-    """Print each chapter's Run All time at the end of pytest's terminal report."""
-
-    class Summary:
-        def pytest_terminal_summary(self, terminalreporter):
-            if not TIMES:
-                return
-            terminalreporter.section("gradlab chapters in JupyterLab")
-            for doc, seconds in TIMES.items():
-                terminalreporter.write_line(f"{seconds:7.1f} s  {doc} (Run All Cells, idle)")
-            terminalreporter.write_line(
-                f"{sum(TIMES.values()):7.1f} s  in all; screenshots: {SHOTS}"
-            )
-
-    plugins = request.config.pluginmanager
-    if not plugins.has_plugin("gradlab-jupyterlab-times"):
-        plugins.register(Summary(), "gradlab-jupyterlab-times")
-    yield
 
 
 # ----------------------------------------------------------------------------- page
