@@ -47,6 +47,8 @@ from gradlab_book.plots import CLIP, KEEP, NONE, SKIP, THRESHOLD, new_figure
 __all__ = [
     "DATA_PATH",
     "POLICIES",
+    "PREFIX_PATH",
+    "PREFIX_STEPS",
     "TRACES",
     "agc_curves_figure",
     "agc_data",
@@ -71,6 +73,10 @@ __all__ = [
 ]
 
 DATA_PATH = stored.path("norm_traces.json")
+#: The first :data:`PREFIX_STEPS` steps of both traces in full precision, with the
+#: platform that computed them, for the prefix test (``norm_traces.json`` has none).
+PREFIX_PATH = stored.path("norm_traces_prefix.json")
+PREFIX_STEPS = 40
 
 #: The recorded traces, in the order they are drawn, with their titles.
 TRACES = {
@@ -156,7 +162,8 @@ def record_traces(steps: int | None = None) -> dict[str, Any]:
     CPU's float kernels) grows about tenfold a step, so on another machine its trace
     differs from the stored one by 1e-4 after three steps and entirely after ten. The
     chapters replay the stored traces, which are the same data on every machine; the
-    stored file was recorded before data files carried a platform (it has none)."""
+    stored file was recorded before data files carried a platform (it has none), so
+    its first steps are also stored with one, in :data:`PREFIX_PATH`."""
     mlp = dict(MLP_RUN, **({} if steps is None else {"steps": steps}))
     tanh = dict(TANH_RUN, **({} if steps is None else {"steps": steps}))
     return {
