@@ -452,13 +452,15 @@ class AutoClip(_Window):
         values = self._state["values"]
         filled = self._filled()
         ordered = values.sort().values
-        # As torch.quantile computes its ranks: q * (n - 1) in the values' dtype.
-        ranks = (filled - 1).clamp(min=0).to(self._dtype) * self._quantile
-        below = ranks.to(torch.int64)
-        above = ranks.ceil().to(torch.int64)
-        low = ordered.gather(0, below.reshape(1))
-        high = ordered.gather(0, above.reshape(1))
-        tau = torch.lerp(low, high, (ranks - below).reshape(1)).reshape(())
+        # The rank q * (n - 1) in float64, as torch.quantile computes it from torch 2.14
+        # on (2.13 rounds it to the values' dtype, which moves the weight by up to an ulp
+        # of the rank: 20 float32 ulps of the threshold were seen).
+        ranks = (filled - 1).clamp(min=0).to(torch.float64) * self._quantile
+        below = ranks.floor()
+        low = ordered.gather(0, below.to(torch.int64).reshape(1))
+        high = ordered.gather(0, ranks.ceil().to(torch.int64).reshape(1))
+        weight = (ranks - below).to(self._dtype).reshape(1)
+        tau = torch.lerp(low, high, weight).reshape(())
         return torch.where(filled > 0, tau, _INF)
 
     def _history_threshold(self, x: Tensor) -> Tensor:
