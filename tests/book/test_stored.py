@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Every path constant of the book's modules that names a stored file.
 PATHS = {
     "adaptive.DATA_PATH": adaptive.DATA_PATH,
+    "adaptive.PREFIX_PATH": adaptive.PREFIX_PATH,
     "rnn.DATA_PATH": rnn.DATA_PATH,
     "training.GRID_PATH": training.GRID_PATH,
     "privacy.COSTS_PATH": privacy.COSTS_PATH,
