@@ -95,7 +95,9 @@ if wants lint; then
 fi
 # Two workers; --dist loadfile keeps a module's multi-process world, and each notebook's
 # cells, together in one worker (packaging: the library's venv beside the book's).
-# The browser suite's conftest puts every test of one page in one group (loadgroup).
+# The browser suite runs on one worker: on two cores, two Chromiums took as long (1281 s
+# against 1216 s) and timed out twice; its conftest still groups a page's tests for
+# `pytest -n 2 --dist loadgroup` on a larger machine.
 wants library && run_suite library -n 2 --dist loadfile tests/lib
 wants library-torch-2.14 && PYTHON_ENV=.venv-torch-2.14 run_suite library-torch-2.14 \
   -n 2 --dist loadfile tests/lib
@@ -108,7 +110,7 @@ if wants book-numerics; then
   run_suite book-numerics "${numerics_args[@]}"
   suite_env=()
 fi
-wants browser && run_suite browser -n 2 --dist loadgroup tests/browser
+wants browser && run_suite browser tests/browser
 wants pdf && run_suite pdf tests/pdf
 
 printf '%s\n' "== suite times:" "${timings[@]}"

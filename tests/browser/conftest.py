@@ -262,7 +262,7 @@ def screenshot_dir() -> Path:
 
 
 # ----------------------------------------------------------------------------- pytest -n
-# scripts/test.sh runs this suite on two workers (pytest -n 2 --dist loadgroup). Every
+# On a machine with cores to spare, `pytest -n 4 --dist loadgroup tests/browser`: every
 # test of one page goes to one worker, so that each page is loaded once per reader; the
 # screenshots are emptied once, by the controller; each worker hands its part of the
 # report to the controller through a file, and the controller prints the summary.
