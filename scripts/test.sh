@@ -95,9 +95,8 @@ if wants lint; then
 fi
 # Two workers; --dist loadfile keeps a module's multi-process world, and each notebook's
 # cells, together in one worker (packaging: the library's venv beside the book's).
-# The browser suite runs on one worker: on two cores, two Chromiums took as long (1281 s
-# against 1216 s) and timed out twice; its conftest still groups a page's tests for
-# `pytest -n 2 --dist loadgroup` on a larger machine.
+# The browser suite runs on one worker: on two cores, two Chromiums (a page's tests kept
+# together) took as long, 1281 s against 1216 s, and timed out twice.
 wants library && run_suite library -n 2 --dist loadfile tests/lib
 wants library-torch-2.14 && PYTHON_ENV=.venv-torch-2.14 run_suite library-torch-2.14 \
   -n 2 --dist loadfile tests/lib

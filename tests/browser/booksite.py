@@ -62,24 +62,6 @@ REPORT: dict = {
 }
 
 
-def report_to_json(report: dict) -> str:
-    """``report`` as JSON (an axe key becomes ``"mode|rule|impact"``), for a worker of
-    ``pytest -n`` to hand its part to the controller, which prints the summary."""
-    return json.dumps({**report, "axe": {"|".join(k): v for k, v in report["axe"].items()}})
-
-
-def merge_report(into: dict, part_json: str) -> None:
-    """Add one worker's :func:`report_to_json` to ``into``."""
-    part = json.loads(part_json)
-    for key in ("weights", "gzipped", "heaviest_files", "jupyterlab_times"):
-        into[key].update(part[key])
-    for url, count in part["blocked"].items():
-        into["blocked"][url] = into["blocked"].get(url, 0) + count
-    into["screenshots"] += part["screenshots"]
-    for key, docs in part["axe"].items():
-        into["axe"].setdefault(tuple(key.split("|")), []).extend(docs)
-
-
 # ----------------------------------------------------------------------------- pages
 
 

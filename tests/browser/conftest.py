@@ -37,8 +37,6 @@ from booksite import (
     cdn_file,
     html_path,
     local_file,
-    merge_report,
-    report_to_json,
 )
 
 # ----------------------------------------------------------------------------- server
@@ -257,52 +255,13 @@ def report() -> dict:
 
 @pytest.fixture(scope="session")
 def screenshot_dir() -> Path:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    if SCREENSHOTS.exists():
+        shutil.rmtree(SCREENSHOTS)
+    SCREENSHOTS.mkdir(parents=True)
     return SCREENSHOTS
 
 
-# ----------------------------------------------------------------------------- pytest -n
-# On a machine with cores to spare, `pytest -n 4 --dist loadgroup tests/browser`: every
-# test of one page goes to one worker, so that each page is loaded once per reader; the
-# screenshots are emptied once, by the controller; each worker hands its part of the
-# report to the controller through a file, and the controller prints the summary.
-REPORT_PARTS = SCREENSHOTS.parent / "browser-report"
-
-
-def _is_worker(config) -> bool:
-    return hasattr(config, "workerinput")
-
-
-def pytest_configure(config) -> None:
-    if not _is_worker(config):
-        for folder in (SCREENSHOTS, REPORT_PARTS):
-            if folder.exists():
-                shutil.rmtree(folder)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        params = getattr(item, "callspec", None)
-        doc = params.params.get("doc") if params is not None else None
-        if item.module.__name__ == "test_site" and doc is not None:
-            group = doc
-        else:  # one JupyterLab server, one demo page: a module's tests stay together
-            group = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
-def pytest_sessionfinish(session) -> None:
-    if _is_worker(session.config):
-        REPORT_PARTS.mkdir(parents=True, exist_ok=True)
-        worker = session.config.workerinput["workerid"]
-        (REPORT_PARTS / f"{worker}.json").write_text(report_to_json(REPORT))
-
-
 def pytest_terminal_summary(terminalreporter) -> None:
-    if REPORT_PARTS.is_dir():
-        for part in sorted(REPORT_PARTS.glob("*.json")):
-            merge_report(REPORT, part.read_text())
     weights = REPORT["weights"]
     times = REPORT["jupyterlab_times"]
     if not (weights or times or REPORT["screenshots"] or REPORT["blocked"] or REPORT["axe"]):

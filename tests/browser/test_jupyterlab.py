@@ -185,7 +185,7 @@ def _shut_down_kernels(base: str) -> None:
 
 @pytest.fixture(scope="session")
 def lab_shots(screenshot_dir) -> Path:
-    # After screenshot_dir, which makes test-artifacts/screenshots (emptied once per run).
+    # After screenshot_dir, which empties test-artifacts/screenshots once per session.
     SHOTS.mkdir(parents=True, exist_ok=True)
     return SHOTS
 
